@@ -1,0 +1,21 @@
+# Quick start: `make test` creates .venv, installs the pinned dev environment, runs pytest.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS := 1
+
+.PHONY: test demo bench install
+
+$(VENV)/.installed: pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/bench_averaging.py

@@ -1,0 +1,79 @@
+"""The bucket plan of one all-reduce: a pure function of the tensors' metadata.
+
+Tensors are grouped by ``(device, dtype)`` in order of first appearance (so nothing is
+ever promoted: a bf16 tensor is reduced as bf16), and each group is cut, in order,
+into buckets of at most ``bucket_bytes``. A bucket holding a single contiguous tensor
+(in particular any contiguous tensor of ``bucket_bytes`` or more) is reduced in the
+tensor's own storage with no copy; the others are *staged*: packed into one flat
+buffer, reduced, and copied back. A non-contiguous tensor larger than
+``bucket_bytes`` is staged alone.
+
+The plan depends only on the tensors' devices, dtypes, sizes and contiguity, which
+the collective has already checked to be equal on every rank, so every rank issues
+the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+
+class Bucket(NamedTuple):
+    """One all-reduce.
+
+    Attributes:
+        indices: positions, in the reduced tensor list, of the tensors it holds.
+        staged: whether they are packed into a staging buffer (``False``: the single
+            tensor is reduced in its own storage).
+        nbytes: bytes of staging memory it needs (0 when not staged).
+    """
+
+    indices: tuple[int, ...]
+    staged: bool
+    nbytes: int
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _close(tensors: Sequence[torch.Tensor], indices: list[int]) -> Bucket:
+    if len(indices) == 1 and tensors[indices[0]].is_contiguous():
+        return Bucket(tuple(indices), staged=False, nbytes=0)
+    return Bucket(tuple(indices), staged=True, nbytes=sum(_nbytes(tensors[i]) for i in indices))
+
+
+def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Bucket]:
+    """Cut ``tensors`` into buckets of at most ``bucket_bytes`` of one device and dtype.
+
+    Args:
+        tensors: the tensors to reduce, in the (rank-consistent) order given.
+        bucket_bytes: the staging size of one bucket, ``>= 1``.
+
+    Returns:
+        The buckets, in the order their all-reduces are issued; every index of
+        ``tensors`` appears in exactly one bucket.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+
+    buckets: list[Bucket] = []
+    for indices in groups.values():
+        current: list[int] = []
+        current_bytes = 0
+        for index in indices:
+            nbytes = _nbytes(tensors[index])
+            if nbytes >= bucket_bytes:
+                buckets.append(_close(tensors, [index]))
+                continue
+            if current and current_bytes + nbytes > bucket_bytes:
+                buckets.append(_close(tensors, current))
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += nbytes
+        if current:
+            buckets.append(_close(tensors, current))
+    return buckets

@@ -1,0 +1,207 @@
+"""Model averaging as pure functions over explicit state (optax style).
+
+The one-shot functions :func:`average` (pure) and :func:`average_` (in place) take
+the mean of a parameter pytree over a group of ranks. The averagers
+:func:`periodic_averager` (post-local SGD) and :func:`hierarchical_averager`
+(hierarchical SGD) add a schedule: each returns an :class:`Averager` whose
+
+- ``init(params) -> AveragerState`` starts the step counter at 0;
+- ``update(params, state, *, collective) -> (params, state)`` is pure: when the
+  schedule says so it returns *new* tensors holding the mean, never writing into
+  ``params``; otherwise it returns ``params`` itself. ``state`` is never mutated;
+- ``update_(params, state, *, collective) -> state`` writes the mean into the
+  tensors' own storage (for real training: bounded memory, storage unchanged).
+
+Static configuration lives in the closure; the state holds only the Python-int step,
+so it checkpoints as ``state._asdict()`` and is decided on the host, identically on
+every rank. ``params`` is any pytree of floating-point tensors (a dict from
+``named_parameters()``, a list, nested containers); ``None`` leaves are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+
+from puredist._tree import PyTree, tree_flatten, tree_unflatten
+from puredist._validation import (
+    check_hierarchy_group_sizes,
+    warn_if_max_period_is_one,
+    warn_if_period_is_one,
+)
+from puredist.collectives import AveragingHandle, Collective
+from puredist.schedules import hierarchical_schedule, periodic_schedule
+
+
+class AveragerState(NamedTuple):
+    """State of a scheduled averager.
+
+    Attributes:
+        step: how many times ``update``/``update_`` ran; the schedule is evaluated at
+            this value before it is incremented.
+    """
+
+    step: int
+
+
+class Averager(NamedTuple):
+    """A scheduled averager: ``init``, pure ``update`` and in-place ``update_``."""
+
+    init: Callable[[PyTree], AveragerState]
+    update: Callable[..., tuple[PyTree, AveragerState]]
+    update_: Callable[..., AveragerState]
+
+
+def _float_leaves(params: PyTree) -> tuple[list[torch.Tensor], object]:
+    leaves, spec = tree_flatten(params)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"Arg ``params`` must be a pytree of tensors; leaf {index} is "
+                f"{type(leaf).__name__}: {leaf!r}."
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"Arg ``params`` must hold floating-point tensors; leaf {index} has dtype "
+                f"{leaf.dtype} (averaging integers is not defined)."
+            )
+    return leaves, spec
+
+
+def average_(
+    params: PyTree,
+    *,
+    collective: Collective,
+    group_size: int | None = None,
+    async_op: bool = False,
+) -> AveragingHandle | None:
+    """Replace every tensor of ``params``, in place, by its mean over the group.
+
+    For rank ``r`` in group ``G`` of ``group_size`` ranks:
+    ``p_r <- (1/|G|) * sum_{s in G} p_s``, computed in ``p``'s own dtype.
+
+    Args:
+        params: pytree of floating-point tensors, the same layout on every rank.
+        collective: the backend (:class:`~puredist.collectives.DistributedCollective`
+            or :class:`~puredist.collectives.SimulatedCollective`).
+        group_size: ``None`` for the whole group, else a size in
+            ``collective.group_sizes``.
+        async_op: return a handle to ``wait()`` on instead of blocking.
+
+    Returns:
+        ``None``, or an :class:`~puredist.collectives.AveragingHandle`.
+
+    Raises:
+        TypeError: a leaf is not a floating-point tensor (nothing is touched).
+        ValueError: ``group_size`` is not supported by ``collective``.
+        RankMismatchError: ranks passed different layouts (on every rank).
+    """
+    leaves, _ = _float_leaves(params)
+    return collective.mean_(leaves, group_size=group_size, async_op=async_op)
+
+
+def average(params: PyTree, *, collective: Collective, group_size: int | None = None) -> PyTree:
+    """The pure form of :func:`average_`: return a new pytree holding the mean.
+
+    ``params`` is not modified; the result's tensors are new (each keeps its
+    input's ``requires_grad``).
+    """
+    leaves, spec = _float_leaves(params)
+    return _averaged_copy(leaves, spec, collective, group_size)
+
+
+def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None) -> PyTree:
+    copies = [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+    collective.mean_(copies, group_size=group_size)
+    return tree_unflatten(spec, copies)
+
+
+_Decision = tuple[bool, "int | None"]
+
+
+def _scheduled_averager(
+    decide: Callable[[int], _Decision], check_collective: Callable[[Collective], None]
+) -> Averager:
+    """Build an :class:`Averager` from ``decide(step) -> (due, group_size)``."""
+
+    def init(params: PyTree = None) -> AveragerState:
+        del params  # the state holds no tensors
+        return AveragerState(step=0)
+
+    def update(params: PyTree, state: AveragerState, *, collective: Collective):
+        leaves, spec = _float_leaves(params)
+        check_collective(collective)
+        due, group_size = decide(state.step)
+        if due:
+            params = _averaged_copy(leaves, spec, collective, group_size)
+        return params, AveragerState(step=state.step + 1)
+
+    def update_(params: PyTree, state: AveragerState, *, collective: Collective) -> AveragerState:
+        leaves, _ = _float_leaves(params)
+        check_collective(collective)
+        due, group_size = decide(state.step)
+        if due:
+            collective.mean_(leaves, group_size=group_size)
+        return AveragerState(step=state.step + 1)
+
+    return Averager(init, update, update_)
+
+
+def periodic_averager(period: int, warmup_steps: int = 0) -> Averager:
+    """Post-local SGD: average over the whole group every ``period`` steps after
+    ``warmup_steps``, by torch's ``PeriodicModelAverager`` rule (step ``k`` averages
+    iff ``k >= warmup_steps and (k - warmup_steps) % period == 0``).
+
+    Raises:
+        ValueError: ``period < 1`` or ``warmup_steps < 0``.
+        TypeError: either is not an int.
+
+    Warns:
+        UserWarning: ``period == 1`` (DDP alone communicates less), as torch does.
+    """
+    averages = periodic_schedule(period, warmup_steps)
+    warn_if_period_is_one(period, stacklevel=2)
+    return _scheduled_averager(lambda step: (averages(step), None), lambda collective: None)
+
+
+def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: int = 0) -> Averager:
+    """Hierarchical SGD by torch's ``HierarchicalModelAverager`` rule: at step
+    ``k >= warmup_steps`` the largest period dividing ``k`` wins, and the ranks
+    average within blocks of that period's group size.
+
+    Args:
+        period_group_sizes: ``{period: group_size}``, periods strictly increasing;
+            the last group size must be the collective's whole size, and every size
+            must divide it (checked at each update against the collective given).
+        warmup_steps: steps before the first averaging.
+
+    Raises:
+        ValueError: empty or unordered periods, non-positive period, negative warmup;
+            at update, a group size the collective cannot average within.
+
+    Warns:
+        UserWarning: the largest period is 1, as torch does.
+    """
+    periods = tuple(period_group_sizes)
+    group_sizes = tuple(period_group_sizes.values())
+    level = hierarchical_schedule(periods, warmup_steps)
+    warn_if_max_period_is_one(periods, stacklevel=2)
+
+    def decide(step: int) -> _Decision:
+        index = level(step)
+        return (index is not None, None if index is None else group_sizes[index])
+
+    def check_collective(collective: Collective) -> None:
+        if not collective.is_member:
+            return
+        check_hierarchy_group_sizes(group_sizes, collective.world_size)
+        missing = [g for g in group_sizes if g not in collective.group_sizes]
+        if missing:
+            raise ValueError(
+                f"The collective cannot average within groups of sizes {missing} from arg "
+                f"``period_group_size_dict``; it supports {collective.group_sizes} (build it "
+                "with DistributedCollective.with_subgroups)."
+            )
+
+    return _scheduled_averager(decide, check_collective)

@@ -1,0 +1,33 @@
+"""Drop-in replacements for torch's model-averaging classes and hooks.
+
+Swap the import, keep the code::
+
+    # from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from puredist.classic import PeriodicModelAverager
+
+The submodules mirror torch's module names (``averagers``, ``utils``,
+``hierarchical_model_averager``, ``post_localSGD_optimizer``,
+``post_localSGD_hook``) for module-level imports.
+"""
+
+from puredist.classic.averagers import ModelAverager, PeriodicModelAverager
+from puredist.classic.hierarchical_model_averager import HierarchicalModelAverager
+from puredist.classic.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from puredist.classic.post_localSGD_optimizer import PostLocalSGDOptimizer
+from puredist.classic.utils import (
+    average_parameters,
+    average_parameters_or_parameter_groups,
+    get_params_to_average,
+)
+
+__all__ = [
+    "ModelAverager",
+    "PeriodicModelAverager",
+    "HierarchicalModelAverager",
+    "PostLocalSGDOptimizer",
+    "PostLocalSGDState",
+    "post_localSGD_hook",
+    "average_parameters",
+    "get_params_to_average",
+    "average_parameters_or_parameter_groups",
+]

@@ -1,0 +1,71 @@
+"""Drop-in for ``torch.distributed.algorithms.model_averaging.hierarchical_model_averager``."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch.distributed as dist
+
+from puredist._validation import check_hierarchy_group_sizes
+from puredist.averaging import hierarchical_averager
+from puredist.classic.averagers import _CoreAverager
+from puredist.collectives import DistributedCollective
+
+__all__ = ["HierarchicalModelAverager"]
+
+logger = logging.getLogger(__name__)
+
+
+class HierarchicalModelAverager(_CoreAverager):
+    """Hierarchical model averaging (hierarchical SGD), torch's class re-built on the
+    pure core.
+
+    At step ``k >= warmup_steps`` the largest period in ``period_group_size_dict``
+    dividing ``k`` wins, and the ranks average within blocks of that period's group
+    size (created with ``dist.new_subgroups``, as torch does).
+
+    Args:
+        period_group_size_dict: ordered ``{period: group_size}``; periods strictly
+            increasing, every size a divisor of the group's size, the last size equal
+            to it.
+        warmup_steps (int): steps before averaging starts.
+        process_group: the overall group (``None``: the default group).
+
+    Attributes:
+        period_process_group_dict: ``OrderedDict`` from period to this rank's process
+            group at that level, as in torch.
+
+    Raises:
+        ValueError: empty dict, non-positive or unordered periods, a size that does
+            not divide the group, a last size other than the group's size, negative
+            warmup — all before any subgroup is created.
+    """
+
+    def __init__(self, period_group_size_dict=None, warmup_steps=0, process_group=None):
+        super().__init__(process_group)
+        hierarchy = dict(period_group_size_dict or {})
+        self._averager = hierarchical_averager(hierarchy, warmup_steps)
+        overall_group_size = dist.get_world_size(group=self.process_group)
+        check_hierarchy_group_sizes(tuple(hierarchy.values()), overall_group_size)
+        self.warmup_steps = warmup_steps
+
+        self.period_process_group_dict = OrderedDict()
+        logger.info("Model averaging hierarchy:")
+        for period, group_size in hierarchy.items():
+            logger.info(
+                "\tEach group that has %s processes average parameters every %s iterations, "
+                "if no higher-level averaging.",
+                group_size,
+                period,
+            )
+            if group_size != overall_group_size:
+                self.period_process_group_dict[period], _ = dist.new_subgroups(
+                    group_size=group_size, group=self.process_group
+                )
+            else:
+                self.period_process_group_dict[period] = self.process_group
+        self._collective = DistributedCollective(
+            self.process_group,
+            subgroups={hierarchy[p]: g for p, g in self.period_process_group_dict.items()},
+        )

@@ -1,0 +1,62 @@
+"""Drop-in for ``torch.distributed.algorithms.model_averaging.utils``.
+
+Differences on purpose: :func:`average_parameters` averages in place in bounded
+buckets (torch flattens the whole model into one promoted buffer and rebinds every
+``p.data`` to it), and raises :class:`~puredist.RankMismatchError` on every rank when
+ranks pass different parameters (torch hangs or averages garbage).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from puredist.averaging import average_
+from puredist.collectives import DistributedCollective
+
+__all__ = [
+    "average_parameters",
+    "get_params_to_average",
+    "average_parameters_or_parameter_groups",
+]
+
+
+def average_parameters(params: Iterator[torch.nn.Parameter], process_group: dist.ProcessGroup | None) -> None:
+    """Average ``params`` in place over ``process_group`` (``None``: WORLD).
+
+    A rank outside the group returns at once. Storage is never moved:
+    ``p.data_ptr()`` is the same afterwards.
+    """
+    average_(list(params), collective=DistributedCollective(process_group))
+
+
+def get_params_to_average(
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
+) -> list[torch.nn.Parameter]:
+    """The parameters (of a model, or of an optimizer's param groups) that have a
+    ``.grad``, as torch's function selects them.
+
+    Raises:
+        NotImplementedError: an element is neither a ``Parameter`` nor a param-group
+            dict (torch's exception type and message).
+    """
+    selected = []
+    for param in params:
+        if isinstance(param, torch.nn.Parameter):
+            candidates = [param]
+        elif isinstance(param, dict):
+            candidates = param["params"]
+        else:
+            raise NotImplementedError(f"Parameter input of type {type(param)} is not supported")
+        selected.extend(p for p in candidates if p.grad is not None)
+    return selected
+
+
+def average_parameters_or_parameter_groups(
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
+    process_group: dist.ProcessGroup | None,
+) -> None:
+    """Average the parameters of a model or of an optimizer's param groups."""
+    average_parameters(iter(get_params_to_average(params)), process_group)

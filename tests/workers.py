@@ -1,0 +1,102 @@
+"""Run a function on W local Gloo ranks, forked from the test process.
+
+The parent creates the rendezvous ``TCPStore`` (it owns the listening socket before
+any worker starts, so there is no free-port race), then forks one process per rank.
+Each worker joins the Gloo group, runs ``fn(rank, world_size, *args)``, meets the
+others at a final barrier, and sends back its pickled result or traceback. Every job
+has a deadline: a hang becomes a ``TimeoutError`` naming the silent ranks (Gloo's own
+timeout is shorter, so a stuck collective raises a traceback first).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+JOB_TIMEOUT_S = 90.0
+GLOO_TIMEOUT_S = 60.0
+GRACE_AFTER_FAILURE_S = 5.0  # how long the other ranks get once one rank has failed
+
+
+class WorkerError(AssertionError):
+    """At least one rank raised; the message holds every failing rank's traceback."""
+
+
+def _worker(rank, world_size, port, fn, args, conn):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
+        )
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        payload = (True, result)
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        payload = (False, traceback.format_exc())
+    try:
+        conn.send_bytes(pickle.dumps(payload))
+    except Exception:  # noqa: BLE001 - an unpicklable result is a failure too
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks.
+
+    Returns:
+        The ranks' return values, by rank.
+
+    Raises:
+        WorkerError: a rank raised (every failing rank's traceback included).
+        TimeoutError: some rank did not finish within ``timeout`` seconds.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    receivers, processes = {}, []
+    for rank in range(world_size):
+        receiver, sender = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_worker, args=(rank, world_size, store.port, fn, args, sender), daemon=True)
+        process.start()
+        sender.close()
+        receivers[receiver] = rank
+        processes.append(process)
+
+    results: dict[int, tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while receivers and time.monotonic() < deadline:
+            for receiver in multiprocessing.connection.wait(list(receivers), timeout=deadline - time.monotonic()):
+                rank = receivers.pop(receiver)
+                try:
+                    results[rank] = pickle.loads(receiver.recv_bytes())
+                except EOFError:
+                    results[rank] = (False, "worker exited without a result")
+                if not results[rank][0]:
+                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+    finally:
+        for rank, process in enumerate(processes):
+            if rank in results:  # it reported and is exiting on its own
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+            process.join()
+        del store
+
+    failures = {r: out for r, (ok, out) in sorted(results.items()) if not ok}
+    if failures:
+        raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items()))
+    if receivers:
+        raise TimeoutError(f"ranks {sorted(receivers.values())} did not finish within {timeout} s")
+    return [results[r][1] for r in range(world_size)]
