@@ -1,0 +1,72 @@
+"""Schedules against brute-force references of torch's two rules."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from puredist import hierarchical_schedule, periodic_schedule
+
+
+def brute_force_periodic_steps(period, warmup, horizon):
+    """The averaging steps, listed by walking forward from the warm-up."""
+    return set(range(warmup, horizon, period))
+
+
+def brute_force_hierarchical_level(periods, warmup, step):
+    """Every level whose period divides the step, the highest one wins."""
+    if step < warmup:
+        return None
+    matching = [i for i, p in enumerate(periods) if step % p == 0]
+    return max(matching) if matching else None
+
+
+@given(period=st.integers(1, 12), warmup=st.integers(0, 30), horizon=st.integers(0, 120))
+def test_periodic_matches_brute_force(period, warmup, horizon):
+    averages = periodic_schedule(period, warmup)
+    assert {k for k in range(horizon) if averages(k)} == brute_force_periodic_steps(period, warmup, horizon)
+
+
+@given(
+    periods=st.lists(st.integers(1, 16), min_size=1, max_size=4, unique=True).map(sorted),
+    warmup=st.integers(0, 30),
+    step=st.integers(0, 500),
+)
+def test_hierarchical_matches_brute_force(periods, warmup, step):
+    assert hierarchical_schedule(periods, warmup)(step) == brute_force_hierarchical_level(periods, warmup, step)
+
+
+def test_the_two_rules_differ_when_warmup_is_not_a_multiple_of_the_period():
+    # torch's periodic rule counts from the end of the warm-up, the hierarchical one from 0
+    periodic = periodic_schedule(4, warmup_steps=3)
+    hierarchical = hierarchical_schedule([4], warmup_steps=3)
+    assert [k for k in range(12) if periodic(k)] == [3, 7, 11]
+    assert [k for k in range(12) if hierarchical(k) is not None] == [4, 8]
+
+
+@pytest.mark.parametrize(
+    "period, warmup, error, match",
+    [
+        (0, 0, ValueError, "period.*positive.*got 0"),
+        (-3, 0, ValueError, "period.*got -3"),
+        (2, -1, ValueError, "warmup_steps.*non-negative.*got -1"),
+        (2.5, 0, TypeError, "period.*int.*2.5"),
+        (2, True, TypeError, "warmup_steps.*int"),
+    ],
+)
+def test_periodic_rejects_bad_configuration(period, warmup, error, match):
+    with pytest.raises(error, match=match):
+        periodic_schedule(period, warmup)
+
+
+@pytest.mark.parametrize(
+    "periods, match",
+    [
+        ([], "must not be empty"),
+        ([0, 2], "minimum period.*positive.*got 0"),
+        ([4, 2], "strictly increasing.*\\[4, 2\\]"),
+        ([2, 2], "strictly increasing"),
+    ],
+)
+def test_hierarchical_rejects_bad_periods(periods, match):
+    with pytest.raises(ValueError, match=match):
+        hierarchical_schedule(periods)

@@ -1,0 +1,187 @@
+"""Properties of averaging on the simulated backend, over random pytrees and replica
+counts, against a float64 brute-force mean."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import puredist
+from puredist import SimulatedCollective, average, average_, hierarchical_averager, periodic_averager
+from puredist._tree import tree_leaves, tree_map
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def replicated_trees(draw, replicas):
+    """A nested pytree (dict / list / tuple / None) of [R, *shape] tensors."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(shape, dtype):
+        return torch.randn((replicas, *shape), generator=gen, dtype=torch.float64).to(dtype)
+
+    shapes = st.lists(st.integers(1, 4), max_size=3)
+    leaves = st.builds(leaf, shapes, st.sampled_from(DTYPES))
+    tree = st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.dictionaries(st.sampled_from("zyxwab"), children, max_size=3),
+            st.lists(children, max_size=3),
+            st.tuples(children, st.none()),
+        ),
+        max_leaves=8,
+    )
+    return draw(tree)
+
+
+def block_mean_oracle(tensor, group_size):
+    """Brute force: every replica replaced by the float64 mean of its block."""
+    out = tensor.double().clone()
+    for start in range(0, tensor.shape[0], group_size):
+        out[start : start + group_size] = tensor[start : start + group_size].double().mean(0)
+    return out
+
+
+@st.composite
+def setups(draw):
+    replicas = draw(st.integers(1, 8))
+    group_size = draw(st.sampled_from(divisors(replicas)))
+    return replicas, group_size, draw(replicated_trees(replicas))
+
+
+@given(setups())
+def test_pure_average_is_the_block_mean_and_preserves_everything_else(setup):
+    replicas, group_size, tree = setup
+    before = tree_map(torch.clone, tree)
+    out = average(tree, collective=SimulatedCollective(replicas), group_size=group_size)
+    for old, new, kept in zip(tree_leaves(tree), tree_leaves(out), tree_leaves(before)):
+        assert torch.equal(old, kept)  # input untouched
+        assert new.dtype == old.dtype and new.shape == old.shape
+        tol = TOLERANCE[old.dtype]
+        torch.testing.assert_close(new.double(), block_mean_oracle(old, group_size), rtol=tol, atol=tol)
+        blocks = new.unflatten(0, (replicas // group_size, group_size))
+        assert torch.equal(blocks, blocks[:, :1].expand_as(blocks))  # consensus within each group
+        # the mean over all replicas is preserved (up to rounding)
+        torch.testing.assert_close(new.double().mean(0), old.double().mean(0), rtol=tol, atol=tol)
+
+
+@given(setups())
+def test_in_place_equals_pure_and_is_idempotent(setup):
+    replicas, group_size, tree = setup
+    collective = SimulatedCollective(replicas)
+    pure = average(tree, collective=collective, group_size=group_size)
+    pointers = [t.data_ptr() for t in tree_leaves(tree)]
+    assert average_(tree, collective=collective, group_size=group_size) is None
+    assert [t.data_ptr() for t in tree_leaves(tree)] == pointers
+    for a, b in zip(tree_leaves(tree), tree_leaves(pure)):
+        assert torch.equal(a, b)
+    twice = average(tree, collective=collective, group_size=group_size)
+    for a, b in zip(tree_leaves(tree), tree_leaves(twice)):
+        tol = TOLERANCE[a.dtype]
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
+@st.composite
+def hierarchies(draw):
+    replicas = draw(st.sampled_from([1, 2, 4, 6, 8]))
+    levels = draw(st.integers(1, 3))
+    periods = sorted(draw(st.lists(st.integers(1, 6), min_size=levels, max_size=levels, unique=True)))
+    sizes = sorted(draw(st.lists(st.sampled_from(divisors(replicas)), min_size=len(periods), max_size=len(periods))))
+    sizes[-1] = replicas
+    return replicas, dict(zip(periods, sizes)), draw(st.integers(0, 6))
+
+
+def brute_force_level(periods, warmup, step):
+    matching = [p for p in periods if step >= warmup and step % p == 0]
+    return max(matching) if matching else None
+
+
+@given(hierarchies(), st.integers(0, 2**31 - 1))
+def test_hierarchical_training_loop_matches_a_brute_force_loop(hierarchy, seed):
+    replicas, period_sizes, warmup = hierarchy
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(replicas, 3, generator=gen, dtype=torch.float64), "b": torch.zeros(replicas, 2, dtype=torch.float64)}
+    oracle = {k: v.clone() for k, v in params.items()}
+    averager = hierarchical_averager(period_sizes, warmup)
+    state = averager.init(params)
+    collective = SimulatedCollective(replicas)
+    for step in range(14):
+        noise = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()}
+        for k in params:  # a "local step": every replica drifts differently
+            params[k].add_(noise[k])
+            oracle[k].add_(noise[k])
+        state = averager.update_(params, state, collective=collective)
+        period = brute_force_level(list(period_sizes), warmup, step)
+        if period is not None:
+            oracle = {k: block_mean_oracle(v, period_sizes[period]) for k, v in oracle.items()}
+        assert state.step == step + 1
+        for k in params:
+            torch.testing.assert_close(params[k], oracle[k], rtol=1e-12, atol=1e-12)
+
+
+@given(period=st.integers(2, 5), warmup=st.integers(0, 5), replicas=st.sampled_from([2, 3, 4]))
+def test_unscheduled_steps_are_no_ops_and_pure_update_never_mutates(period, warmup, replicas):
+    averager = periodic_averager(period, warmup)
+    params = [torch.randn(replicas, 4), None, (torch.randn(replicas, 2, dtype=torch.float64),)]
+    snapshot = tree_map(torch.clone, params)
+    state = averager.init(params)
+    for step in range(warmup + 2 * period):
+        new_params, new_state = averager.update(params, state, collective=SimulatedCollective(replicas))
+        assert state.step == step and new_state.step == step + 1  # old state not mutated
+        for old, kept in zip(tree_leaves(params), tree_leaves(snapshot)):
+            assert torch.equal(old, kept)  # input params never mutated
+        if step >= warmup and (step - warmup) % period == 0:
+            assert all(n is not o for n, o in zip(tree_leaves(new_params), tree_leaves(params)))
+        else:
+            assert new_params is params
+        state = new_state
+
+
+def test_the_simulated_backend_rejects_bad_shapes_before_writing_anything():
+    collective = SimulatedCollective(4)
+    good, bad = torch.randn(4, 2), torch.randn(3, 2)
+    copy = good.clone()
+    with pytest.raises(ValueError, match=r"leading replica axis of size 4, got shape \(3, 2\)"):
+        collective.mean_([good, bad])
+    assert torch.equal(good, copy)
+    with pytest.raises(ValueError, match="group_size.*3 must divide.*4"):
+        collective.mean_([good], group_size=3)
+    with pytest.raises(ValueError, match="num_replicas.*0"):
+        SimulatedCollective(0)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ([torch.zeros(2, 3, dtype=torch.int64)], "floating-point.*leaf 0.*int64"),
+        ({"a": torch.zeros(2), "b": 3.0}, "pytree of tensors.*leaf 1.*float"),
+    ],
+)
+def test_unsupported_leaves_are_rejected_before_any_tensor_is_touched(params, match):
+    averager = periodic_averager(2)
+    with pytest.raises(TypeError, match=match):
+        averager.update_(params, averager.init(params), collective=SimulatedCollective(2))
+
+
+def test_hierarchy_must_end_with_the_whole_group():
+    averager = hierarchical_averager({2: 2, 4: 2})
+    params = [torch.randn(4, 3)]
+    with pytest.raises(ValueError, match="last value.*2.*must be equal.*4"):
+        averager.update_(params, averager.init(params), collective=SimulatedCollective(4))
+    averager = hierarchical_averager({2: 3, 4: 4})
+    with pytest.raises(ValueError, match="positive divisor.*4, got 3"):
+        averager.update_(params, averager.init(params), collective=SimulatedCollective(4))
+
+
+def test_period_one_warns_like_torch():
+    with pytest.warns(UserWarning, match="When period is 1, no need to use model averaging"):
+        puredist.periodic_averager(1)
+    with pytest.warns(UserWarning, match="maximum period in arg ``period_group_size_dict`` is 1"):
+        puredist.hierarchical_averager({1: 2})
