@@ -5,8 +5,8 @@ Same behaviour as torch's hook; :class:`PostLocalSGDState` gains
 between global and local gradient all-reduce) survives a restart.
 """
 
-from __future__ import annotations
 
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import logging
 from typing import Any
 

@@ -1,0 +1,95 @@
+"""Bad input to the classic layer: the same exception type as torch's class where
+torch raises, a clear error where torch stays silent, and torch's warnings."""
+
+import warnings
+
+import pytest
+import torch
+from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hierarchical
+from torch.distributed.algorithms.model_averaging import utils as torch_utils
+
+from puredist import classic
+from workers import run_workers
+
+CASES = {
+    "period 0": (lambda m: m.PeriodicModelAverager(period=0), ValueError),
+    "negative warmup": (lambda m: m.PeriodicModelAverager(period=2, warmup_steps=-1), ValueError),
+    "empty hierarchy": (lambda m: m.HierarchicalModelAverager({}), ValueError),
+    "no hierarchy": (lambda m: m.HierarchicalModelAverager(), ValueError),
+    "period 0 in hierarchy": (lambda m: m.HierarchicalModelAverager({0: 2, 4: 4}), ValueError),
+    "last size is not the world": (lambda m: m.HierarchicalModelAverager({2: 2, 4: 2}), ValueError),
+    "size does not divide the world": (lambda m: m.HierarchicalModelAverager({2: 3, 4: 4}), ValueError),
+    "negative warmup in hierarchy": (lambda m: m.HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=-2), ValueError),
+    "unsupported param type": (lambda m: m.get_params_to_average([torch.zeros(2)]), NotImplementedError),
+}
+# torch accepts a hierarchy whose periods are not increasing and then never reaches
+# the lower levels' "largest period wins" rule as documented; puredist refuses it.
+PUREDIST_ONLY = {"periods out of order": (lambda m: m.HierarchicalModelAverager({4: 2, 2: 4}), ValueError)}
+
+
+def _raised(build, module):
+    try:
+        build(module)
+    except Exception as error:  # noqa: BLE001 - the type is the result
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+class _TorchNamespace:
+    PeriodicModelAverager = torch_averagers.PeriodicModelAverager
+    HierarchicalModelAverager = torch_hierarchical.HierarchicalModelAverager
+    get_params_to_average = staticmethod(torch_utils.get_params_to_average)
+
+
+def _all_cases(rank, world_size):
+    results = {}
+    for name, (build, _) in {**CASES, **PUREDIST_ONLY}.items():
+        results[name] = (_raised(build, _TorchNamespace), _raised(build, classic))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_averagers.PeriodicModelAverager(period=1)
+        classic.PeriodicModelAverager(period=1)
+        torch_hierarchical.HierarchicalModelAverager({1: 4})
+        classic.HierarchicalModelAverager({1: 4})
+    results["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_workers(_all_cases, 4)[0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_exception_type_as_torch(outcomes, case):
+    (torch_type, _), (our_type, message) = outcomes[case]
+    assert torch_type == CASES[case][1].__name__
+    assert our_type == torch_type, message
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("period 0", "got 0"),
+        ("negative warmup", "got -1"),
+        ("last size is not the world", "2 must be equal to the size of arg ``process_group`` 4"),
+        ("size does not divide the world", "divisor of the group's size 4, got 3"),
+        ("periods out of order", "strictly increasing.*\\[4, 2\\]"),
+    ],
+)
+def test_errors_name_the_argument_and_value(outcomes, case, words):
+    import re
+
+    assert re.search(words, outcomes[case][1][1]), outcomes[case][1][1]
+
+
+def test_unordered_periods_are_refused(outcomes):
+    (torch_type, _), (our_type, _) = outcomes["periods out of order"]
+    assert torch_type is None and our_type == "ValueError"
+
+
+def test_period_one_warns_like_torch(outcomes):
+    torch_periodic, ours_periodic, torch_hier, ours_hier = outcomes["warnings"]
+    assert ours_periodic == torch_periodic
+    assert ours_hier == torch_hier

@@ -1,0 +1,153 @@
+"""Post-local SGD end to end on DDP: puredist's hook + optimizer + averager against
+torch's, and restarts (state_dict and torch.distributed.checkpoint) that continue
+the uninterrupted trajectory bit for bit."""
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_hook
+from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from puredist import classic
+from models import make_model
+from workers import run_workers
+
+TORCH = types.SimpleNamespace(
+    PostLocalSGDState=torch_hook.PostLocalSGDState,
+    post_localSGD_hook=torch_hook.post_localSGD_hook,
+    PostLocalSGDOptimizer=TorchPostLocalSGDOptimizer,
+    PeriodicModelAverager=torch_averagers.PeriodicModelAverager,
+)
+START_LOCAL_SGD = 3
+STEPS = 11  # averagings at 3, 5, 7, 9; the last step is local
+
+
+def build(impl, subgroup, momentum=0.9):
+    model = DDP(make_model(seed=0))
+    hook_state = impl.PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=START_LOCAL_SGD)
+    model.register_comm_hook(hook_state, impl.post_localSGD_hook)
+    local = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    averager = impl.PeriodicModelAverager(period=2, warmup_steps=START_LOCAL_SGD)
+    return model, impl.PostLocalSGDOptimizer(local, averager), hook_state
+
+
+def batch(rank, step):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def train_step(model, optimizer, rank, step):
+    inputs, targets = batch(rank, step)
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _side_by_side(rank, world_size):
+    subgroup, _ = dist.new_subgroups(group_size=2)
+    reference = build(TORCH, subgroup)
+    ours = build(classic, subgroup)
+    for step in range(STEPS):
+        train_step(reference[0], reference[1], rank, step)
+        train_step(ours[0], ours[1], rank, step)
+        for a, b in zip(params_of(ours[0]), params_of(reference[0])):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert ours[2].iter == reference[2].iter
+        assert ours[1].averager.step == reference[1].averager.step == step + 1
+    return params_of(ours[0])
+
+
+def test_post_local_sgd_matches_torch_bitwise():
+    final = run_workers(_side_by_side, 4)
+    # local SGD really happened: after the last (local) step, the pairs (0, 1) and
+    # (2, 3), which all-reduce gradients within themselves only, hold different models
+    assert torch.equal(final[0][0], final[1][0]) and torch.equal(final[2][0], final[3][0])
+    assert not torch.equal(final[0][0], final[2][0])
+
+
+def _closure_step(rank, world_size):
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    model, optimizer, _ = build(classic, subgroup)
+    inputs, targets = batch(rank, 0)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert optimizer.averager.step == 1
+    return True
+
+
+def test_step_accepts_a_closure_and_returns_its_loss():
+    assert run_workers(_closure_step, 2) == [True, True]
+
+
+def _resume(rank, world_size, how, momentum):
+    subgroup, _ = dist.new_subgroups(group_size=2)
+    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    for step in range(STEPS):
+        train_step(model, optimizer, rank, step)
+    uninterrupted = params_of(model)
+
+    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    for step in range(5):
+        train_step(model, optimizer, rank, step)
+    optimizer.zero_grad(set_to_none=True)  # as before a checkpoint: no grads left
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_save = params_of(model)
+    if how == "dcp":
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+    else:
+        optimizer_state = optimizer.state_dict()
+    # saving neither steps the averager nor moves parameters
+    assert optimizer.averager.step == 5
+    assert all(torch.equal(a, b) for a, b in zip(before_save, params_of(model)))
+    hook_checkpoint = hook_state.state_dict()
+
+    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    model.load_state_dict(model_state)
+    if how == "dcp":
+        set_optimizer_state_dict(model, optimizer, optimizer_state)
+    else:
+        optimizer.load_state_dict(optimizer_state)
+    hook_state.load_state_dict(hook_checkpoint)
+    assert optimizer.averager.step == 5 and hook_state.iter == START_LOCAL_SGD
+    for step in range(5, STEPS):
+        train_step(model, optimizer, rank, step)
+    for a, b in zip(params_of(model), uninterrupted):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("how", ["state_dict", "dcp"])
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_a_restart_continues_the_same_trajectory(how, momentum):
+    assert run_workers(_resume, 4, how, momentum) == [True] * 4
+
+
+def _missing_step_warns(rank, world_size):
+    model, optimizer, _ = build(classic, None)
+    saved = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).state_dict()
+    optimizer.averager.step = 7
+    with pytest.warns(UserWarning, match="does not contain a step counter"):
+        optimizer.load_state_dict(saved)
+    return optimizer.averager.step
+
+
+def test_loading_a_plain_optimizer_state_warns_and_resets_the_step():
+    assert run_workers(_missing_step_warns, 2) == [0, 0]
