@@ -18,4 +18,4 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) benchmarks/bench_averaging.py
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_averaging.py

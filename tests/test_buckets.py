@@ -40,3 +40,10 @@ def test_large_contiguous_tensors_are_reduced_in_place_and_small_ones_packed():
     big, small_a, small_b = torch.zeros(1000), torch.zeros(10), torch.zeros(10)
     buckets = plan_buckets([small_a, big, small_b], bucket_bytes=400)
     assert [(b.indices, b.staged) for b in buckets] == [((1,), False), ((0, 2), True)]
+
+
+def test_tensors_of_a_mebibyte_are_never_copied_even_when_a_bucket_would_hold_them():
+    mib_tensor = torch.zeros(2**18)  # 1 MiB of fp32
+    strided = torch.zeros(2**19)[::2]  # 1 MiB too, but not contiguous
+    buckets = plan_buckets([torch.zeros(4), mib_tensor, strided], bucket_bytes=2**24)
+    assert [(b.indices, b.staged) for b in buckets] == [((1,), False), ((0, 2), True)]

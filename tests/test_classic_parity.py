@@ -205,7 +205,7 @@ def test_a_rank_mismatch_raises_on_every_rank():
 
 
 def _bucketed_in_place(rank, world_size, cap):
-    params = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + n)) for n in (3, 500, 7, 40, 1, 300)]
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + n)) for n in (3, 500, 7, 40, 1, 300, 2**18 + 5)]
     params.append(torch.randn(20, 20, generator=torch.Generator().manual_seed(rank)).t())  # non-contiguous
     expected = []
     for p in params:

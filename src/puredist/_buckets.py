@@ -2,11 +2,13 @@
 
 Tensors are grouped by ``(device, dtype)`` in order of first appearance (so nothing is
 ever promoted: a bf16 tensor is reduced as bf16), and each group is cut, in order,
-into buckets of at most ``bucket_bytes``. A bucket holding a single contiguous tensor
-(in particular any contiguous tensor of ``bucket_bytes`` or more) is reduced in the
-tensor's own storage with no copy; the others are *staged*: packed into one flat
-buffer, reduced, and copied back. A non-contiguous tensor larger than
-``bucket_bytes`` is staged alone.
+into buckets of at most ``bucket_bytes``. A contiguous tensor of at least
+``IN_PLACE_MIN_BYTES`` (or of ``bucket_bytes``) is reduced alone in its own storage,
+with no copy: past that size one more all-reduce call costs less than copying the
+tensor in and out of a staging buffer (on 2 Gloo ranks a call costs ~0.3 ms, a copy
+~0.1 ms per MiB each way). Smaller tensors are *staged*: packed into one flat buffer,
+reduced, and copied back. A non-contiguous tensor larger than ``bucket_bytes`` is
+staged alone.
 
 The plan depends only on the tensors' devices, dtypes, sizes and contiguity, which
 the collective has already checked to be equal on every rank, so every rank issues
@@ -18,6 +20,9 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
+
+IN_PLACE_MIN_BYTES = 2**20
+"""Contiguous tensors from this size up are all-reduced in place, never copied."""
 
 
 class Bucket(NamedTuple):
@@ -66,7 +71,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Buc
         current_bytes = 0
         for index in indices:
             nbytes = _nbytes(tensors[index])
-            if nbytes >= bucket_bytes:
+            if nbytes >= bucket_bytes or (nbytes >= IN_PLACE_MIN_BYTES and tensors[index].is_contiguous()):
                 buckets.append(_close(tensors, [index]))
                 continue
             if current and current_bytes + nbytes > bucket_bytes:

@@ -105,6 +105,8 @@ class _InFlight:
         if self.bucket.staged:
             pieces = self._buffer.split([t.numel() for t in self._targets])
             torch._foreach_copy_(self._targets, [p.view_as(t) for p, t in zip(pieces, self._targets)])
+        # release the staging buffer now (and here, on the training thread)
+        self._buffer = self._work = None
 
 
 class DistributedCollective:

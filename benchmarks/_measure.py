@@ -1,0 +1,73 @@
+"""Timing and memory helpers shared by the benchmarks (run under torchrun)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def interleaved_medians(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each method over ``repeats`` rounds; each round runs every
+    method once, in turn, so that drift of the machine's speed hits all alike. Ranks
+    are aligned by a barrier before each run, and the slowest rank's time counts."""
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(elapsed.item())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+_M_MMAP_THRESHOLD = -3
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def return_large_blocks_to_the_os() -> None:
+    """Make glibc serve every block of 128 KiB or more by mmap and unmap it on free
+    (a fixed threshold disables glibc's adaptive one), so that the resident set
+    follows torch's allocations and :func:`peak_extra_bytes` can see them."""
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * _PAGE
+
+
+def peak_extra_bytes(fn: Callable[[], object], interval_s: float = 1e-4) -> int:
+    """Peak resident memory during ``fn`` beyond the resident memory before it,
+    sampled every ``interval_s`` by a thread (every allocation a method makes is
+    written, so it becomes resident). Counts everything: torch, Gloo, Python."""
+    baseline = _resident_bytes()
+    peak = baseline
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _resident_bytes())
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, _resident_bytes()) - baseline
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.1f} MiB"

@@ -1,0 +1,92 @@
+"""Averaging benchmark: torch's ``average_parameters`` vs puredist's vs a bare
+all-reduce of one pre-flattened buffer of the same bytes, on 2 local Gloo ranks.
+
+Run with ``make bench`` (or
+``python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_averaging.py``).
+Prints per model: median time, ratios, and each method's extra peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging import utils as torch_utils
+
+import puredist
+from _measure import interleaved_medians, mib, peak_extra_bytes, return_large_blocks_to_the_os
+
+
+def make_params(kind: str, layers: int, width: int, seed: int) -> list[torch.nn.Parameter]:
+    """``layers`` weight matrices ``[width, width]`` plus their biases (2 tensors per
+    layer); ``mixed``: bf16 weights, fp32 biases."""
+    gen = torch.Generator().manual_seed(seed)
+    weight_dtype = torch.bfloat16 if kind == "mixed" else torch.float32
+    params = []
+    for _ in range(layers):
+        params.append(torch.nn.Parameter(torch.randn(width, width, generator=gen).to(weight_dtype)))
+        params.append(torch.nn.Parameter(torch.randn(width, generator=gen)))
+    return params
+
+
+def averaging_methods(kind: str, layers: int, width: int) -> tuple[dict, list[torch.Tensor], int]:
+    """The three ways to average this rank's parameters of the given model."""
+    params = make_params(kind, layers, width, seed=dist.get_rank())
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
+    flat = torch.zeros(model_bytes // 4, dtype=torch.float32)
+    collective = puredist.DistributedCollective()
+    methods = {
+        "bare all_reduce": lambda: dist.all_reduce(flat),
+        "torch average_parameters": lambda: torch_utils.average_parameters(iter(params), dist.group.WORLD),
+        "puredist average_": lambda: puredist.average_(params, collective=collective),
+    }
+    return methods, params, collective.bucket_cap_bytes
+
+
+def peak_memory_of(methods: dict) -> dict[str, int]:
+    """Each method's extra peak memory, measured after a warm-up call (Gloo's own
+    buffers for this size are not the method's cost)."""
+    memory = {}
+    for name, fn in methods.items():
+        fn()
+        dist.barrier()
+        memory[name] = peak_extra_bytes(fn)
+    return memory
+
+
+def report(kind: str, params, cap: int, times: dict[str, float], memory: dict[str, int]) -> None:
+    numel = sum(p.numel() for p in params)
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
+    print(f"\n{kind}: {numel / 1e6:.1f}M parameters in {len(params)} tensors, {mib(model_bytes)}, "
+          f"world size {dist.get_world_size()}, bucket cap {mib(cap)}")
+    bare, torch_time = times["bare all_reduce"], times["torch average_parameters"]
+    print(f"  {'method':26s} {'median':>10s} {'vs bare':>8s} {'vs torch':>9s} {'extra peak':>13s}")
+    for name, seconds in times.items():
+        print(f"  {name:26s} {seconds * 1e3:8.1f}ms {seconds / bare:7.2f}x {seconds / torch_time:8.2f}x {mib(memory[name])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=40, help="weight matrices (2 tensors each)")
+    parser.add_argument("--width", type=int, default=866, help="matrix side: 40 x 866^2 is about 30M parameters")
+    parser.add_argument("--repeats", type=int, default=11)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    models = {kind: averaging_methods(kind, args.layers, args.width) for kind in ("fp32", "mixed")}
+    times = {kind: interleaved_medians(methods, args.repeats) for kind, (methods, _, _) in models.items()}
+    # Memory last: the fixed mmap threshold it needs would slow down allocations.
+    return_large_blocks_to_the_os()
+    memory = {kind: peak_memory_of(methods) for kind, (methods, _, _) in models.items()}
+    if dist.get_rank() == 0:
+        for kind, (_, params, cap) in models.items():
+            report(kind, params, cap, times[kind], memory[kind])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
