@@ -103,6 +103,7 @@ def brute_force_level(periods, warmup, step):
     return max(matching) if matching else None
 
 
+@pytest.mark.filterwarnings("ignore:When the maximum period")
 @given(hierarchies(), st.integers(0, 2**31 - 1))
 def test_hierarchical_training_loop_matches_a_brute_force_loop(hierarchy, seed):
     replicas, period_sizes, warmup = hierarchy

@@ -13,17 +13,20 @@ from puredist.averaging import (
 )
 from puredist.collectives import (
     DEFAULT_BUCKET_CAP_BYTES,
-    AveragingHandle,
+    CollectiveHandle,
     Collective,
     DistributedCollective,
     SimulatedCollective,
 )
+from puredist.optim import Optimizer, adam, adamw, sgd
 from puredist.schedules import hierarchical_schedule, periodic_schedule
+from puredist.sharding import ZeroPlan, plan_zero
+from puredist.zero import Zero, ZeroState, zero
 
 __all__ = [
     "Averager",
     "AveragerState",
-    "AveragingHandle",
+    "CollectiveHandle",
     "Collective",
     "DEFAULT_BUCKET_CAP_BYTES",
     "DistributedCollective",
@@ -35,4 +38,13 @@ __all__ = [
     "hierarchical_schedule",
     "periodic_averager",
     "periodic_schedule",
+    "Optimizer",
+    "sgd",
+    "adam",
+    "adamw",
+    "ZeroPlan",
+    "plan_zero",
+    "Zero",
+    "ZeroState",
+    "zero",
 ]

@@ -21,8 +21,8 @@ class RankMismatchError(RuntimeError):
     """Ranks of one process group passed different tensor lists to one collective."""
 
 
-def _signature(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    text = ";".join(f"{t.device.type},{t.dtype},{tuple(t.shape)}" for t in tensors)
+def _signature(tensors: Sequence[torch.Tensor], context: str) -> torch.Tensor:
+    text = context + "|" + ";".join(f"{t.device.type},{t.dtype},{tuple(t.shape)}" for t in tensors)
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
     return torch.tensor([len(tensors), sum(t.numel() for t in tensors), digest], dtype=torch.int64)
 
@@ -33,20 +33,28 @@ def _describe(rank: int, summary: list[int]) -> str:
 
 
 def check_same_tensors_on_all_ranks(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, device: torch.device
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    context: str = "",
+    what: str = "one averaging all-reduce",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks of ``group``
-    hold tensors of the same count, devices types, dtypes and shapes, in order.
+    hold tensors of the same count, devices types, dtypes and shapes, in order, and
+    the same ``context`` string.
 
     Args:
         tensors: this rank's tensors.
-        group: the process group about to reduce them (this rank is a member).
+        group: the process group about to use them (this rank is a member).
         device: where the backend wants the summary tensor (CPU for Gloo).
+        context: more that must agree (e.g. a ZeRO plan's digest); part of the digest.
+        what: the operation, for the message.
 
     Raises:
         RankMismatchError: on every rank, listing each rank's summary.
     """
-    local = _signature(tensors).to(device)
+    local = _signature(tensors, context).to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     summaries = [t.tolist() for t in gathered]
@@ -54,7 +62,7 @@ def check_same_tensors_on_all_ranks(
         ranks = dist.get_process_group_ranks(group)
         lines = "\n  ".join(_describe(rank, s) for rank, s in zip(ranks, summaries))
         raise RankMismatchError(
-            "Ranks passed different tensors to one averaging all-reduce (a parameter "
-            "without .grad on some ranks only is the usual cause); nothing was "
-            f"averaged. Per rank:\n  {lines}"
+            f"Ranks passed different tensors (or plans) to {what} (a parameter without "
+            ".grad on some ranks only is the usual cause); nothing was changed. "
+            f"Per rank:\n  {lines}"
         )

@@ -30,7 +30,7 @@ from puredist._validation import (
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
-from puredist.collectives import AveragingHandle, Collective
+from puredist.collectives import CollectiveHandle, Collective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 
 
@@ -75,7 +75,7 @@ def average_(
     collective: Collective,
     group_size: int | None = None,
     async_op: bool = False,
-) -> AveragingHandle | None:
+) -> CollectiveHandle | None:
     """Replace every tensor of ``params``, in place, by its mean over the group.
 
     For rank ``r`` in group ``G`` of ``group_size`` ranks:
@@ -90,7 +90,7 @@ def average_(
         async_op: return a handle to ``wait()`` on instead of blocking.
 
     Returns:
-        ``None``, or an :class:`~puredist.collectives.AveragingHandle`.
+        ``None``, or an :class:`~puredist.collectives.CollectiveHandle`.
 
     Raises:
         TypeError: a leaf is not a floating-point tensor (nothing is touched).

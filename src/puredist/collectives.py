@@ -59,14 +59,14 @@ class Collective(Protocol):
         *,
         group_size: int | None = None,
         async_op: bool = False,
-    ) -> "AveragingHandle | None":
+    ) -> "CollectiveHandle | None":
         """Replace each tensor, in place, by its mean over the group of ``group_size``
         ranks this rank belongs to; with ``async_op`` return a handle to wait on."""
         ...
 
 
-class AveragingHandle:
-    """The averagings still in flight; :meth:`wait` completes them, in issue order.
+class CollectiveHandle:
+    """Collectives still in flight; :meth:`wait` completes them, in issue order.
 
     The tensors must not be read or written until :meth:`wait` returns.
     """
@@ -74,39 +74,79 @@ class AveragingHandle:
     def __init__(self, pending: "deque[_InFlight]") -> None:
         self._pending = pending
 
+    @classmethod
+    def merged(cls, handles: Sequence["CollectiveHandle"]) -> "CollectiveHandle":
+        """One handle completing ``handles``' collectives, in order."""
+        return cls(deque(item for handle in handles for item in handle._pending))
+
     def is_completed(self) -> bool:
-        """True once :meth:`wait` has finished every averaging."""
+        """True once :meth:`wait` has finished every collective."""
         return not self._pending
 
     def wait(self) -> None:
-        """Block until every averaging is done and written into its tensors."""
+        """Block until every collective is done and written into its tensors."""
         while self._pending:
             self._pending.popleft().finish()
 
 
 class _InFlight:
-    """One bucket's all-reduce: the buffer reduced and how to write it back."""
+    """One bucket's collective: the buffer it runs on and how to write it back.
 
-    def __init__(self, bucket: Bucket, tensors: Sequence[torch.Tensor], group, divisor: int | None):
+    Args:
+        bucket: the tensors' positions and whether they are staged.
+        tensors: the full tensor list the bucket indexes.
+        launch: issues the asynchronous collective on a buffer, returns its work.
+        packed: whether a staging buffer starts with the tensors' values (else it
+            starts empty: the collective only writes it, as a broadcast receiver).
+        divisor: divide the result by this after the collective (``None``: no).
+        write_back: copy the result into the tensors (a broadcast source does not).
+    """
+
+    def __init__(self, bucket: Bucket, tensors, launch, *, packed: bool, divisor: int | None, write_back: bool):
         self.bucket = bucket
         self._targets = [tensors[i].detach() for i in bucket.indices]
-        if bucket.staged:
+        if not bucket.staged:
+            self._buffer = self._targets[0]
+        elif packed:
             self._buffer = torch.cat([t.reshape(-1) for t in self._targets])
         else:
-            self._buffer = self._targets[0]
-        op = dist.ReduceOp.SUM if divisor is not None else dist.ReduceOp.AVG
+            first = self._targets[0]
+            self._buffer = torch.empty(sum(t.numel() for t in self._targets), dtype=first.dtype, device=first.device)
         self._divisor = divisor
-        self._work = dist.all_reduce(self._buffer, op=op, group=group, async_op=True)
+        self._write_back = write_back
+        self._work = launch(self._buffer)
 
     def finish(self) -> None:
         self._work.wait()
         if self._divisor is not None:
             self._buffer.div_(self._divisor)
-        if self.bucket.staged:
+        if self.bucket.staged and self._write_back:
             pieces = self._buffer.split([t.numel() for t in self._targets])
             torch._foreach_copy_(self._targets, [p.view_as(t) for p, t in zip(pieces, self._targets)])
         # release the staging buffer now (and here, on the training thread)
         self._buffer = self._work = None
+
+
+def _run_bucketed(
+    tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, launch, *, async_op: bool, **in_flight
+) -> CollectiveHandle | None:
+    """Issue ``launch`` over the bucket plan of ``tensors`` in order, keeping at most
+    ``bucket_cap_bytes`` of staging memory in flight (unbounded with ``async_op``,
+    which returns the handle instead of waiting)."""
+    pending: deque[_InFlight] = deque()
+    staged_in_flight = 0
+    for bucket in plan_buckets(tensors, max(1, bucket_cap_bytes // 2)):
+        while not async_op and pending and staged_in_flight + bucket.nbytes > bucket_cap_bytes:
+            done = pending.popleft()
+            done.finish()
+            staged_in_flight -= done.bucket.nbytes
+        pending.append(_InFlight(bucket, tensors, launch, **in_flight))
+        staged_in_flight += bucket.nbytes
+    handle = CollectiveHandle(pending)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 class DistributedCollective:
@@ -193,7 +233,7 @@ class DistributedCollective:
         *,
         group_size: int | None = None,
         async_op: bool = False,
-    ) -> AveragingHandle | None:
+    ) -> CollectiveHandle | None:
         """Average ``tensors`` in place over this rank's group of ``group_size``.
 
         Args:
@@ -201,7 +241,7 @@ class DistributedCollective:
                 the same order on every rank of the group.
             group_size: ``None`` for the whole group, else one of
                 :attr:`group_sizes`.
-            async_op: return an :class:`AveragingHandle` at once instead of
+            async_op: return an :class:`CollectiveHandle` at once instead of
                 waiting. All buckets are then in flight together, so the staging
                 memory is that of every tensor that is not reduced in place.
 
@@ -214,25 +254,60 @@ class DistributedCollective:
         """
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
-            return AveragingHandle(deque()) if async_op else None
+            return CollectiveHandle(deque()) if async_op else None
         tensors = list(tensors)
         if self.check_consistency:
             check_same_tensors_on_all_ranks(tensors, group, _summary_device(group))
         divisor = None if dist.get_backend(group) == "nccl" else dist.get_world_size(group)
-        pending: deque[_InFlight] = deque()
-        staged_in_flight = 0
-        for bucket in plan_buckets(tensors, max(1, self.bucket_cap_bytes // 2)):
-            while not async_op and pending and staged_in_flight + bucket.nbytes > self.bucket_cap_bytes:
-                done = pending.popleft()
-                done.finish()
-                staged_in_flight -= done.bucket.nbytes
-            pending.append(_InFlight(bucket, tensors, group, divisor))
-            staged_in_flight += bucket.nbytes
-        handle = AveragingHandle(pending)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        op = dist.ReduceOp.SUM if divisor is not None else dist.ReduceOp.AVG
+        return _run_bucketed(
+            tensors,
+            self.bucket_cap_bytes,
+            lambda buffer: dist.all_reduce(buffer, op=op, group=group, async_op=True),
+            async_op=async_op,
+            packed=True,
+            divisor=divisor,
+            write_back=True,
+        )
+
+    def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
+        """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
+        unless all pass tensors of the same layouts and the same ``context`` (one
+        small all-gather; skipped when ``check_consistency`` is off)."""
+        if self.check_consistency and self._is_member and self._world_size > 1:
+            check_same_tensors_on_all_ranks(
+                list(tensors), self.process_group, _summary_device(self.process_group), context=context, what=what
+            )
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the whole group (-1 outside it)."""
+        return dist.get_rank(self.process_group)
+
+    def broadcast_(
+        self, tensors: Sequence[torch.Tensor], *, src: int, async_op: bool = False
+    ) -> CollectiveHandle | None:
+        """Overwrite ``tensors`` on every rank with rank ``src``'s values (``src`` is
+        a rank *within* the whole group), in the same bounded buckets as
+        :meth:`mean_`; contiguous tensors of 1 MiB or more are received in place.
+
+        The caller guarantees the same tensor layouts on every rank (no check here:
+        the ZeRO step checks its plan and gradients before it updates anything).
+        """
+        if not self._is_member or self._world_size == 1:
+            return CollectiveHandle(deque()) if async_op else None
+        group = self.process_group
+        is_source = dist.get_rank(group) == src
+        global_src = dist.get_global_rank(group, src)
+        return _run_bucketed(
+            list(tensors),
+            self.bucket_cap_bytes,
+            lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True),
+            async_op=async_op,
+            packed=is_source,
+            divisor=None,
+            write_back=not is_source,
+        )
 
 
 def _summary_device(group: dist.ProcessGroup) -> torch.device:
@@ -278,7 +353,7 @@ class SimulatedCollective:
         *,
         group_size: int | None = None,
         async_op: bool = False,
-    ) -> AveragingHandle | None:
+    ) -> CollectiveHandle | None:
         """Average each ``[R, *shape]`` tensor in place within blocks of
         ``group_size`` consecutive replicas (``None``: all ``R``).
 
@@ -302,4 +377,4 @@ class SimulatedCollective:
             for tensor in tensors:
                 blocks = tensor.detach().unflatten(0, (self.num_replicas // size, size))
                 blocks.copy_(blocks.sum(dim=1, keepdim=True).div_(size))
-        return AveragingHandle(deque()) if async_op else None
+        return CollectiveHandle(deque()) if async_op else None

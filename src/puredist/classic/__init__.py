@@ -7,13 +7,16 @@ Swap the import, keep the code::
 
 The submodules mirror torch's module names (``averagers``, ``utils``,
 ``hierarchical_model_averager``, ``post_localSGD_optimizer``,
-``post_localSGD_hook``) for module-level imports.
+``post_localSGD_hook``, ``zero_redundancy_optimizer``, ``ddp_zero_hook``) for
+module-level imports.
 """
 
 from puredist.classic.averagers import ModelAverager, PeriodicModelAverager
+from puredist.classic.ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from puredist.classic.hierarchical_model_averager import HierarchicalModelAverager
 from puredist.classic.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from puredist.classic.post_localSGD_optimizer import PostLocalSGDOptimizer
+from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from puredist.classic.utils import (
     average_parameters,
     average_parameters_or_parameter_groups,
@@ -30,4 +33,7 @@ __all__ = [
     "average_parameters",
     "get_params_to_average",
     "average_parameters_or_parameter_groups",
+    "ZeroRedundancyOptimizer",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
 ]

@@ -1,0 +1,151 @@
+"""Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook``.
+
+``hook_with_zero_step`` and ``hook_with_zero_step_interleaved`` wrap a DDP
+communication hook (e.g. ``allreduce_hook``) so that the ZeRO step of each bucket
+runs during DDP's backward. Differences on purpose:
+
+- They work on Gloo. Every collective (the wrapped hook's all-reduce, the ZeRO
+  step's broadcasts) is issued from the training thread, in bucket order, the same
+  on every rank: a bucket's step waits for its all-reduce on the training thread,
+  never in a future's callback on a backend thread.
+- No lost iterations: the plan is fixed when the hook is built (from DDP's initial
+  bucket layout), so the very first backward already updates.
+- ``find_unused_parameters=True`` is refused at construction: DDP then leaves the
+  ``.grad`` of unused parameters untouched while their bucket slots hold zeros, and
+  a step on those zeros would still move them (momentum, weight decay).
+
+``hook_with_zero_step`` steps every bucket once the backward computation is over
+(overlapping the outstanding all-reduces and the broadcasts);
+``hook_with_zero_step_interleaved`` steps bucket ``i`` as soon as the hook for bucket
+``i + 1`` runs, overlapping the step with the rest of the backward computation.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+from collections import deque
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from puredist.collectives import CollectiveHandle
+from puredist.sharding import plan_zero, reverse_order_buckets
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+_DDP_FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+class _OverlappedIteration:
+    """The buckets of one backward: their all-reduce futures, steps and broadcasts."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer, interleaved: bool) -> None:
+        self._zero = zero
+        self._interleaved = interleaved
+        self._launched: deque[tuple[torch.futures.Future, list[int]]] = deque()
+        self._broadcasts: list[CollectiveHandle] = []
+        self._finish_queued = False
+
+    def bucket_launched(self, future: torch.futures.Future, indices: list[int]) -> None:
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._finish_queued = True
+        self._launched.append((future, indices))
+        while self._interleaved and len(self._launched) > 1:
+            self._step(*self._launched.popleft())
+
+    def _step(self, future: torch.futures.Future, indices: list[int]) -> None:
+        reduced = future.wait()
+        flat = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+        params = self._zero._params()
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        pieces = flat.split([params[i].numel() for i in indices])
+        for i, piece in zip(indices, pieces):
+            grads[i] = piece.view_as(params[i])
+        self._broadcasts.append(self._zero._step_(grads, indices))
+
+    def _finish(self) -> None:
+        while self._launched:
+            self._step(*self._launched.popleft())
+        for handle in self._broadcasts:
+            handle.wait()
+        self._broadcasts.clear()
+        self._zero._end_iteration()
+        self._finish_queued = False
+
+
+def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool, interleaved: bool):
+    if not zero._overlap_with_ddp:
+        raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook properly")
+    if ddp.find_unused_parameters:
+        raise ValueError(
+            "The ZeRO overlap hooks do not support DDP(find_unused_parameters=True): DDP leaves unused "
+            "parameters' .grad untouched while their bucket slots hold zeros, so the step cannot tell "
+            "them apart. Use find_unused_parameters=False, or the non-overlapped ZeroRedundancyOptimizer."
+        )
+    params = zero._params()
+    index_of = {id(p): i for i, p in enumerate(params)}
+    ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if sorted(index_of.get(id(p), -1) for p in ddp_params) != list(range(len(params))):
+        raise ValueError("Arg ``zero`` must optimize exactly the parameters of ``ddp`` that require grad.")
+    layout = reverse_order_buckets(
+        [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _DDP_FIRST_BUCKET_BYTES
+    )
+    buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout]
+    zero._adopt_plan(
+        plan_zero(
+            [p.numel() for p in params],
+            zero._collective.world_size,
+            strategy="split_buckets" if shard_buckets else "whole_buckets",
+            buckets=buckets,
+        )
+    )
+    iteration = _OverlappedIteration(zero, interleaved)
+
+    def hook_with_zero_fn(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(state, bucket)
+        iteration.bucket_launched(future, [index_of[id(p)] for p in bucket.parameters()])
+        return future
+
+    return hook_with_zero_fn
+
+
+def hook_with_zero_step(
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool = False,
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """Wrap ``hook`` so that ``zero``'s step runs inside ``ddp``'s backward, after
+    the last gradient bucket is computed.
+
+    Args:
+        hook: the DDP communication hook to wrap (it still runs, unchanged).
+        ddp: the DDP module.
+        zero: a :class:`ZeroRedundancyOptimizer` built with ``overlap_with_ddp=True``
+            over exactly ``ddp``'s trainable parameters.
+        shard_buckets: ``False``: each bucket (of DDP's initial layout) is owned by
+            one rank, buckets balanced largest-first; ``True``: each bucket's
+            parameters are spread over ranks.
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook``.
+
+    Raises:
+        ValueError: ``zero`` not built with ``overlap_with_ddp=True``;
+            ``find_unused_parameters=True``; parameters differ from ``ddp``'s.
+        RuntimeError: ``zero`` already stepped or loaded state.
+    """
+    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=False)
+
+
+def hook_with_zero_step_interleaved(
+    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool = False,
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """As :func:`hook_with_zero_step`, but bucket ``i``'s step runs when the hook
+    for bucket ``i + 1`` is called, interleaved with the backward computation."""
+    return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=True)

@@ -1,0 +1,222 @@
+"""Functional optimizers over explicit state: SGD, Adam, AdamW.
+
+Each constructor validates its hyper-parameters and returns an :class:`Optimizer`:
+
+- ``init(params) -> state``: a tuple with one per-parameter state (a NamedTuple) for
+  each leaf of ``params``, in the leaves' order;
+- ``update(params, grads, state) -> (params, state)``: pure; new tensors, inputs
+  untouched;
+- ``update_(params, grads, state) -> state``: writes the new values into ``params``'
+  own storage (and updates the state's tensors in place).
+
+``params`` and ``grads`` are pytrees of the same structure; a ``None`` in ``grads``
+where ``params`` has a tensor leaves that parameter and its state unchanged, as
+``torch.optim`` skips parameters without ``.grad``. Because the state is per parameter, any sub-list of parameters can be
+stepped with the matching sub-tuple of states: that is how ZeRO steps only the
+parameters a rank owns.
+
+The math is torch's own: the steps call ``torch.optim``'s functional kernels
+(``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``) with the same foreach/fused
+defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
+``Adam`` / ``AdamW`` step for step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+from torch.optim.adam import adam as _adam_kernel
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.sgd import sgd as _sgd_kernel
+
+from puredist._tree import PyTree, tree_flatten, tree_unflatten
+
+
+class SGDParamState(NamedTuple):
+    """SGD state of one parameter.
+
+    Attributes:
+        momentum_buffer: the momentum buffer, ``None`` until the first step (and
+            always ``None`` without momentum).
+    """
+
+    momentum_buffer: torch.Tensor | None
+
+
+class AdamParamState(NamedTuple):
+    """Adam/AdamW state of one parameter (torch's layout).
+
+    Attributes:
+        step: the number of steps taken, a 0-dim float32 CPU tensor.
+        exp_avg: first-moment running average.
+        exp_avg_sq: second-moment running average.
+        max_exp_avg_sq: running max of ``exp_avg_sq`` with amsgrad, else ``None``.
+    """
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer (see the module docstring).
+
+    Attributes:
+        name: the matching ``torch.optim`` class name (``"SGD"``, ``"Adam"``,
+            ``"AdamW"``).
+        hyperparams: the hyper-parameters, keyed as in a ``torch.optim`` param group.
+    """
+
+    name: str
+    hyperparams: Mapping[str, Any]
+    init: Callable[[PyTree], tuple]
+    update: Callable[[PyTree, PyTree, tuple], tuple[PyTree, tuple]]
+    update_: Callable[[PyTree, PyTree, tuple], tuple]
+
+
+_Step = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], list[NamedTuple]]
+
+
+def _check_nonnegative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
+
+
+def _clone_state(state: NamedTuple) -> NamedTuple:
+    return type(state)(*(None if t is None else t.clone() for t in state))
+
+
+def _make_optimizer(name: str, hyperparams: dict, init_leaf: Callable, step: _Step) -> Optimizer:
+    def init(params: PyTree) -> tuple:
+        leaves, _ = tree_flatten(params)
+        return tuple(init_leaf(p) for p in leaves)
+
+    def update_(params: PyTree, grads: PyTree, state: tuple) -> tuple:
+        leaves, spec = tree_flatten(params)
+        grad_leaves = spec.flatten_up_to(grads)
+        if len(state) != len(leaves):
+            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
+        active = [i for i, g in enumerate(grad_leaves) if g is not None]
+        new_state = list(state)
+        with torch.no_grad():
+            stepped = step(
+                [leaves[i].detach() for i in active],
+                [grad_leaves[i] for i in active],
+                [state[i] for i in active],
+            )
+        for i, s in zip(active, stepped):
+            new_state[i] = s
+        return tuple(new_state)
+
+    def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
+        leaves, spec = tree_flatten(params)
+        copies = [p.detach().clone().requires_grad_(p.requires_grad) for p in leaves]
+        new_state = update_(copies, spec.flatten_up_to(grads), tuple(_clone_state(s) for s in state))
+        return tree_unflatten(spec, copies), new_state
+
+    return Optimizer(name, dict(hyperparams), init, update, update_)
+
+
+def sgd(
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+) -> Optimizer:
+    """Stochastic gradient descent, as ``torch.optim.SGD`` (same arguments and math).
+
+    Raises:
+        ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
+            without momentum or with dampening.
+    """
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        _check_nonnegative(name, value)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    hyperparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                       nesterov=nesterov, maximize=maximize)
+
+    def step(params, grads, states):
+        buffers = [s.momentum_buffer for s in states]
+        _sgd_kernel(params, grads, buffers, weight_decay=weight_decay, momentum=momentum, lr=lr,
+                    dampening=dampening, nesterov=nesterov, maximize=maximize)
+        if momentum == 0:
+            return list(states)
+        return [SGDParamState(b) for b in buffers]
+
+    return _make_optimizer("SGD", hyperparams, lambda p: SGDParamState(None), step)
+
+
+def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> Optimizer:
+    for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        _check_nonnegative(arg, value)
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
+    hyperparams = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                       amsgrad=amsgrad, maximize=maximize)
+
+    def init_leaf(p: torch.Tensor) -> AdamParamState:
+        zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
+
+    def step(params, grads, states):
+        _adam_kernel(
+            params, grads,
+            [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
+            [s.max_exp_avg_sq for s in states] if amsgrad else [],
+            [s.step for s in states],
+            decoupled_weight_decay=decoupled,
+            amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
+            weight_decay=weight_decay, eps=eps, maximize=maximize,
+        )
+        return list(states)
+
+    return _make_optimizer(name, hyperparams, init_leaf, step)
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: Sequence[float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+) -> Optimizer:
+    """Adam, as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+
+    Raises:
+        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
+    """
+    return _adam_family("Adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: Sequence[float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+) -> Optimizer:
+    """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
+
+    Raises:
+        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
+    """
+    return _adam_family("AdamW", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+
+
+OPTIMIZERS: Mapping[type, Callable[..., Optimizer]] = {
+    torch.optim.SGD: sgd,
+    torch.optim.Adam: adam,
+    torch.optim.AdamW: adamw,
+}
+"""The ``torch.optim`` classes puredist has a functional twin for."""

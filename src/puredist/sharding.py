@@ -1,0 +1,150 @@
+"""The ZeRO plan: which rank owns (updates, and holds optimizer state for) which
+parameter. A pure, deterministic function of the parameters' sizes, the world size
+and optionally a bucket layout: every rank computes the same plan, no communication.
+
+Strategies (the load of a rank is the number of elements it owns):
+
+- ``"balanced"`` (default): largest-first (LPT) over single parameters: each
+  parameter, largest first, goes to the least-loaded rank. Worst rank at most
+  ``total/W + (1 - 1/W) * largest`` — within one parameter of the optimum's lower
+  bound ``max(largest, total/W)``.
+- ``"whole_buckets"``: LPT over whole buckets; a bucket is never split (torch's
+  ``shard_buckets=False`` contract, balanced instead of round-robin).
+- ``"split_buckets"``: each bucket's parameters are spread over ranks by LPT,
+  bucket after bucket, continuing the loads (torch's ``shard_buckets=True``).
+- ``"round_robin_buckets"``: bucket ``i`` goes to rank ``i % W`` — torch's own
+  assignment, kept to compare against.
+
+Ties go to the lowest rank; equal sizes keep their index order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Sequence
+
+STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
+
+
+class ZeroPlan(NamedTuple):
+    """Ownership of every parameter (leaf order) among ``world_size`` ranks.
+
+    Attributes:
+        world_size: the number of ranks the plan shards over.
+        owners: ``owners[i]`` is the rank that updates parameter ``i``.
+    """
+
+    world_size: int
+    owners: tuple[int, ...]
+
+    def owned_by(self, rank: int) -> tuple[int, ...]:
+        """The indices of the parameters ``rank`` owns, increasing."""
+        return tuple(i for i, owner in enumerate(self.owners) if owner == rank)
+
+    def loads(self, sizes: Sequence[int]) -> list[int]:
+        """Elements owned by each rank, given each parameter's element count."""
+        loads = [0] * self.world_size
+        for owner, size in zip(self.owners, sizes):
+            loads[owner] += size
+        return loads
+
+    def digest(self) -> str:
+        """A short fingerprint of the plan, equal on ranks with equal plans."""
+        return hashlib.blake2b(repr(tuple(self)).encode(), digest_size=8).hexdigest()
+
+
+def _lpt(items: Sequence[tuple[int, Sequence[int]]], loads: list[int], owners: list[int]) -> None:
+    """Assign groups ``(size, members)`` largest first to the least-loaded rank."""
+    order = sorted(range(len(items)), key=lambda k: (-items[k][0], k))
+    for k in order:
+        size, members = items[k]
+        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        loads[rank] += size
+        for member in members:
+            owners[member] = rank
+
+
+def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
+    flat = sorted(i for bucket in buckets for i in bucket)
+    if flat != list(range(count)):
+        raise ValueError(
+            f"Arg ``buckets`` must hold every parameter index 0..{count - 1} exactly once, got {list(buckets)!r}."
+        )
+
+
+def reverse_order_buckets(nbytes: Sequence[int], bucket_cap_bytes: int, first_bucket_cap_bytes: int) -> list[list[int]]:
+    """The bucket layout DDP starts with: parameters in reverse registration order
+    (gradients come roughly last layer first), cut into buckets of at most
+    ``first_bucket_cap_bytes`` for the first and ``bucket_cap_bytes`` for the rest
+    (a parameter larger than the cap gets a bucket of its own).
+
+    Returns:
+        Parameter indices per bucket, in bucket order.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index in reversed(range(len(nbytes))):
+        cap = first_bucket_cap_bytes if not buckets else bucket_cap_bytes
+        if current and current_bytes + nbytes[index] > cap:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += nbytes[index]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def plan_zero(
+    sizes: Sequence[int],
+    world_size: int,
+    *,
+    strategy: str = "balanced",
+    buckets: Sequence[Sequence[int]] | None = None,
+    start_loads: Sequence[int] | None = None,
+) -> ZeroPlan:
+    """Compute the ownership plan.
+
+    Args:
+        sizes: element count of each parameter, in leaf order.
+        world_size: ranks to shard over (``>= 1``).
+        strategy: one of :data:`STRATEGIES`.
+        buckets: parameter indices per bucket (the DDP layout); required by the
+            bucket strategies, ignored by ``"balanced"``.
+        start_loads: elements each rank already owns (to plan parameters added
+            later, e.g. a new param group, around an existing plan).
+
+    Returns:
+        The :class:`ZeroPlan`.
+
+    Raises:
+        ValueError: unknown strategy, ``world_size < 1``, negative size, missing or
+            malformed ``buckets``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Arg ``strategy`` must be one of {STRATEGIES}, got {strategy!r}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"Arg ``sizes`` must be non-negative, got {list(sizes)!r}.")
+    owners = [0] * len(sizes)
+    loads = list(start_loads) if start_loads is not None else [0] * world_size
+    if len(loads) != world_size:
+        raise ValueError(f"Arg ``start_loads`` must have {world_size} entries, got {list(loads)!r}.")
+    if strategy == "balanced":
+        _lpt([(size, (i,)) for i, size in enumerate(sizes)], loads, owners)
+        return ZeroPlan(world_size, tuple(owners))
+    if buckets is None:
+        raise ValueError(f"Arg ``buckets`` is required by strategy {strategy!r}.")
+    _check_buckets(buckets, len(sizes))
+    if strategy == "whole_buckets":
+        _lpt([(sum(sizes[i] for i in bucket), tuple(bucket)) for bucket in buckets], loads, owners)
+    elif strategy == "split_buckets":
+        for bucket in buckets:
+            _lpt([(sizes[i], (i,)) for i in bucket], loads, owners)
+    else:
+        for index, bucket in enumerate(buckets):
+            for i in bucket:
+                owners[i] = index % world_size
+    return ZeroPlan(world_size, tuple(owners))
