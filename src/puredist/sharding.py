@@ -11,7 +11,8 @@ Strategies (the load of a rank is the number of elements it owns):
 - ``"whole_buckets"``: LPT over whole buckets; a bucket is never split (torch's
   ``shard_buckets=False`` contract, balanced instead of round-robin).
 - ``"split_buckets"``: each bucket's parameters are spread over ranks by LPT,
-  bucket after bucket, continuing the loads (torch's ``shard_buckets=True``).
+  continuing the loads, largest bucket first (torch's ``shard_buckets=True``: a
+  bucket's step is shared by several ranks).
 - ``"round_robin_buckets"``: bucket ``i`` goes to rank ``i % W`` — torch's own
   assignment, kept to compare against.
 
@@ -141,8 +142,9 @@ def plan_zero(
     if strategy == "whole_buckets":
         _lpt([(sum(sizes[i] for i in bucket), tuple(bucket)) for bucket in buckets], loads, owners)
     elif strategy == "split_buckets":
-        for bucket in buckets:
-            _lpt([(sizes[i], (i,)) for i in bucket], loads, owners)
+        by_size = sorted(range(len(buckets)), key=lambda b: (-sum(sizes[i] for i in buckets[b]), b))
+        for b in by_size:
+            _lpt([(sizes[i], (i,)) for i in buckets[b]], loads, owners)
     else:
         for index, bucket in enumerate(buckets):
             for i in bucket:

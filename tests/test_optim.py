@@ -1,0 +1,85 @@
+"""Functional optimizers against torch.optim's classes, step for step; purity."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import puredist
+from puredist._tree import tree_leaves, tree_map
+
+CASES = [
+    (torch.optim.SGD, puredist.sgd, st.fixed_dictionaries({
+        "lr": st.floats(0.001, 0.5), "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+        "weight_decay": st.sampled_from([0.0, 0.01]), "maximize": st.booleans(),
+        "dampening": st.sampled_from([0.0, 0.3]),
+    })),
+    (torch.optim.Adam, puredist.adam, st.fixed_dictionaries({
+        "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.1]),
+        "amsgrad": st.booleans(), "maximize": st.booleans(),
+    })),
+    (torch.optim.AdamW, puredist.adamw, st.fixed_dictionaries({
+        "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.01]),
+        "amsgrad": st.booleans(), "maximize": st.booleans(),
+    })),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("torch_class, functional, hyperparams", CASES, ids=["sgd", "adam", "adamw"])
+@given(data=st.data())
+def test_matches_torch_optim_bitwise(dtype, torch_class, functional, hyperparams, data):
+    kwargs = data.draw(hyperparams)
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(3, 4, generator=gen, dtype=dtype), "b": [torch.randn(5, generator=gen, dtype=dtype)]}
+    reference = [p.clone().requires_grad_() for p in tree_leaves(params)]
+    torch_optimizer = torch_class(reference, **kwargs)
+    optimizer = functional(**kwargs)
+    in_place = tree_map(torch.clone, params)
+    state_in_place = optimizer.init(in_place)
+    pure, state_pure = params, optimizer.init(params)
+    for _ in range(4):
+        grads = tree_map(lambda p: torch.randn(p.shape, generator=gen, dtype=dtype), params)
+        for r, g in zip(reference, tree_leaves(grads)):
+            r.grad = g.clone()
+        torch_optimizer.step()
+        state_in_place = optimizer.update_(in_place, grads, state_in_place)
+        pure, state_pure = optimizer.update(pure, grads, state_pure)
+        for ours_a, ours_b, theirs in zip(tree_leaves(in_place), tree_leaves(pure), reference):
+            assert torch.equal(ours_a, theirs.detach()) and torch.equal(ours_b, theirs.detach())
+
+
+def test_pure_update_does_not_touch_its_inputs():
+    optimizer = puredist.adam(lr=0.1)
+    params = [torch.randn(4)]
+    state = optimizer.init(params)
+    grads = [torch.randn(4)]
+    kept_params, kept_state = params[0].clone(), [t.clone() for t in state[0] if t is not None]
+    new_params, new_state = optimizer.update(params, grads, state)
+    assert torch.equal(params[0], kept_params)
+    assert all(torch.equal(a, b) for a, b in zip([t for t in state[0] if t is not None], kept_state))
+    assert not torch.equal(new_params[0], params[0]) and new_state[0].step.item() == 1.0
+
+
+def test_a_missing_gradient_leaves_parameter_and_state_alone():
+    optimizer = puredist.sgd(lr=0.1, momentum=0.9)
+    params = [torch.ones(2), torch.ones(3)]
+    state = optimizer.init(params)
+    state = optimizer.update_(params, [torch.ones(2), None], state)
+    assert torch.equal(params[1], torch.ones(3)) and state[1].momentum_buffer is None
+    assert state[0].momentum_buffer is not None and not torch.equal(params[0], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: puredist.sgd(lr=-1.0), "lr.*-1.0"),
+        (lambda: puredist.sgd(lr=0.1, nesterov=True), "Nesterov"),
+        (lambda: puredist.adam(betas=(0.9, 1.0)), "betas.*1.0"),
+        (lambda: puredist.adamw(eps=-1e-8), "eps"),
+    ],
+)
+def test_bad_hyperparameters_are_rejected(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()

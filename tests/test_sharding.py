@@ -1,0 +1,100 @@
+"""ZeRO plans: a partition, deterministic, whole buckets kept whole, and balanced
+within the list-scheduling bound; GPT-2-small loads against torch's assignment."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from puredist.sharding import STRATEGIES, plan_zero, reverse_order_buckets
+
+
+@st.composite
+def problems(draw):
+    sizes = draw(st.lists(st.integers(0, 10_000), min_size=1, max_size=30))
+    world_size = draw(st.integers(1, 8))
+    cut_points = sorted(draw(st.sets(st.integers(1, len(sizes) - 1), max_size=len(sizes) - 1))) if len(sizes) > 1 else []
+    bounds = [0, *cut_points, len(sizes)]
+    buckets = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return sizes, world_size, buckets
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@given(problems())
+def test_every_parameter_has_exactly_one_owner_and_the_plan_is_deterministic(strategy, problem):
+    sizes, world_size, buckets = problem
+    plan = plan_zero(sizes, world_size, strategy=strategy, buckets=buckets)
+    assert len(plan.owners) == len(sizes) and all(0 <= o < world_size for o in plan.owners)
+    assert sorted(i for r in range(world_size) for i in plan.owned_by(r)) == list(range(len(sizes)))
+    assert plan == plan_zero(list(sizes), world_size, strategy=strategy, buckets=[list(b) for b in buckets])
+    assert sum(plan.loads(sizes)) == sum(sizes)
+
+
+@pytest.mark.parametrize("strategy", ["whole_buckets", "round_robin_buckets"])
+@given(problems())
+def test_whole_bucket_strategies_never_split_a_bucket(strategy, problem):
+    sizes, world_size, buckets = problem
+    plan = plan_zero(sizes, world_size, strategy=strategy, buckets=buckets)
+    assert all(len({plan.owners[i] for i in bucket}) == 1 for bucket in buckets)
+
+
+@given(problems())
+def test_balanced_is_within_the_list_scheduling_bound(problem):
+    sizes, world_size, buckets = problem
+    lower_bound = max(max(sizes), sum(sizes) / world_size)  # no plan can beat this
+    for strategy in ("balanced", "split_buckets"):  # both greedy over single parameters
+        worst = max(plan_zero(sizes, world_size, strategy=strategy, buckets=buckets).loads(sizes))
+        assert worst >= lower_bound
+        assert worst <= sum(sizes) / world_size + (1 - 1 / world_size) * max(sizes) + 1e-9
+    whole = max(plan_zero(sizes, world_size, strategy="whole_buckets", buckets=buckets).loads(sizes))
+    bucket_sizes = [sum(sizes[i] for i in b) for b in buckets]
+    assert whole <= sum(sizes) / world_size + (1 - 1 / world_size) * max(bucket_sizes) + 1e-9
+
+
+def brute_force_reverse_buckets(nbytes, cap, first_cap):
+    """Walk the parameters backwards, opening a bucket whenever the next one would overflow."""
+    buckets = [[]]
+    for index in range(len(nbytes) - 1, -1, -1):
+        limit = first_cap if len(buckets) == 1 else cap
+        if buckets[-1] and sum(nbytes[i] for i in buckets[-1]) + nbytes[index] > limit:
+            buckets.append([])
+        buckets[-1].append(index)
+    return [b for b in buckets if b]
+
+
+@given(st.lists(st.integers(1, 500), max_size=25), st.integers(1, 1000), st.integers(1, 1000))
+def test_reverse_order_buckets_match_a_brute_force_walk(nbytes, cap, first_cap):
+    assert reverse_order_buckets(nbytes, cap, first_cap) == brute_force_reverse_buckets(nbytes, cap, first_cap)
+
+
+def gpt2_small_sizes():
+    """GPT-2 small (124M) parameter sizes in registration order."""
+    d, vocab, context, layers = 768, 50257, 1024, 12
+    sizes = [vocab * d, context * d]
+    for _ in range(layers):
+        sizes += [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]
+    return sizes + [d, d]
+
+
+@pytest.mark.parametrize("world_size, bound", [(2, 1.01), (4, 1.25), (8, 2.49)])
+def test_gpt2_small_plans_beat_torch_round_robin(world_size, bound):
+    sizes = gpt2_small_sizes()
+    buckets = reverse_order_buckets([4 * s for s in sizes], 25 * 2**20, 2**20)
+    even = sum(sizes) / world_size
+    torch_like = max(plan_zero(sizes, world_size, strategy="round_robin_buckets", buckets=buckets).loads(sizes)) / even
+    for strategy in ("balanced", "whole_buckets", "split_buckets"):
+        ratio = max(plan_zero(sizes, world_size, strategy=strategy, buckets=buckets).loads(sizes)) / even
+        assert ratio <= bound, strategy
+        assert ratio < torch_like, strategy
+    # the embedding (38.6M of 124.4M) alone bounds any whole-parameter plan from 4 ranks on
+    assert max(sizes) / even <= bound
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(ValueError, match="strategy.*'greedy'"):
+        plan_zero([1, 2], 2, strategy="greedy")
+    with pytest.raises(ValueError, match="buckets.*required"):
+        plan_zero([1, 2], 2, strategy="whole_buckets")
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_zero([1, 2], 2, strategy="whole_buckets", buckets=[[0], [0]])
+    with pytest.raises(ValueError, match="world_size.*0"):
+        plan_zero([1], 0)

@@ -1,0 +1,233 @@
+"""ZeroRedundancyOptimizer (not overlapped) and the functional ZeRO core on Gloo:
+against torch's ZeroRedundancyOptimizer and the plain optimizer, checkpoints,
+memory per rank, long runs, and bad input."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import puredist
+from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
+from test_zero_overlap import ddp, loss_of, make_net
+from workers import run_workers
+
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def param_groups(model, lrs=(0.05, 0.02)):
+    """Two groups with different learning rates: the first and the other layers."""
+    params = list(model.parameters())
+    return [{"params": params[:2], "lr": lrs[0]}, {"params": params[2:], "lr": lrs[1]}]
+
+
+def assert_close_params(a, b):
+    for x, y in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL)
+
+
+def _against_torch(rank, world_size, optimizer_name):
+    optimizer_class, kwargs = {
+        "sgd": (torch.optim.SGD, dict(momentum=0.9, weight_decay=0.01)),
+        "adamw": (torch.optim.AdamW, dict(amsgrad=True)),
+    }[optimizer_name]
+    models = [DDP(make_net()) for _ in range(3)]
+    plain = optimizer_class(param_groups(models[0]), **kwargs)
+    theirs = TorchZero(param_groups(models[1]), optimizer_class, **kwargs)
+    ours = ZeroRedundancyOptimizer(param_groups(models[2]), optimizer_class, **kwargs)
+    for step in range(8):
+        if step == 4:  # schedulers change hyper-parameters between steps
+            for optimizer in (plain, theirs, ours):
+                optimizer.param_groups[1]["lr"] = 0.005
+        for model, optimizer in zip(models, (plain, theirs, ours)):
+            optimizer.zero_grad()
+            loss_of(model, rank, step).backward()
+            optimizer.step()
+        assert_close_params(models[2], models[0])
+        assert_close_params(models[2], models[1])
+    owned_bytes = sum(t.numel() * t.element_size() for s in ours.zero_state.owned for t in s if t is not None and t.dim() > 0)
+    full_bytes = sum(t.numel() * t.element_size() for s in plain.state.values() for t in s.values() if t.dim() > 0)
+    return owned_bytes / full_bytes
+
+
+@pytest.mark.parametrize("world_size, optimizer_name", [(2, "sgd"), (2, "adamw"), (4, "adamw")])
+def test_matches_torch_zero_and_the_plain_optimizer_with_two_param_groups(world_size, optimizer_name):
+    fractions = run_workers(_against_torch, world_size, optimizer_name)
+    assert sum(fractions) == pytest.approx(1.0)  # every state tensor lives on exactly one rank
+    # a rank holds ~1/W of the state, up to whole parameters: the plan's balance bound
+    sizes = [p.numel() for p in make_net().parameters()]
+    bound = (sum(sizes) / world_size + (1 - 1 / world_size) * max(sizes)) / sum(sizes)
+    assert max(fractions) <= bound
+
+
+def _add_param_group(rank, world_size):
+    models = [DDP(make_net()) for _ in range(2)]
+    params = [list(m.parameters()) for m in models]
+    plain = torch.optim.Adam(params[0][:4], lr=0.01)
+    ours = ZeroRedundancyOptimizer(params[1][:4], torch.optim.Adam, lr=0.01)
+    for step in range(6):
+        if step == 3:
+            plain.add_param_group({"params": params[0][4:], "lr": 0.02})
+            ours.add_param_group({"params": params[1][4:], "lr": 0.02})
+        for model, optimizer in zip(models, (plain, ours)):
+            optimizer.zero_grad()
+            loss_of(model, rank, step).backward()
+            optimizer.step()
+        assert_close_params(models[1], models[0])
+    return True
+
+
+def test_add_param_group_mid_training():
+    assert run_workers(_add_param_group, 2) == [True, True]
+
+
+def _checkpoint(rank, world_size, overlap):
+    def build():
+        model = ddp(make_net(), False, False)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=0.01)
+        if overlap:
+            model.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, model, zero))
+        return model, zero
+
+    def train(model, zero, steps):
+        for step in steps:
+            zero.zero_grad()
+            loss_of(model, rank, step).backward()
+            zero.step()
+
+    plain_model = DDP(make_net())
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    uninterrupted = build()
+    train(*uninterrupted, range(8))
+    first = build()
+    train(*first, range(4))
+    for step in range(4):
+        plain.zero_grad()
+        loss_of(plain_model, rank, step).backward()
+        plain.step()
+    with pytest.raises(RuntimeError, match="has not been consolidated"):
+        first[1].state_dict()
+    first[1].consolidate_state_dict(to=0)
+    blob = [None]
+    if rank == 0:
+        saved = first[1].state_dict()
+        # the consolidated state is the plain optimizer's, in torch's own format
+        expected = plain.state_dict()
+        assert saved["param_groups"][0]["params"] == expected["param_groups"][0]["params"]
+        for index, entry in expected["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(saved["state"][index][key], value, rtol=RTOL, atol=ATOL)
+        buffer = io.BytesIO()
+        torch.save({"model": first[0].state_dict(), "zero": saved}, buffer)
+        blob = [buffer.getvalue()]
+    dist.broadcast_object_list(blob, src=0)
+    checkpoint = torch.load(io.BytesIO(blob[0]))
+    resumed = build()  # loaded before its first iteration
+    resumed[0].load_state_dict(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["zero"])
+    train(*resumed, range(4, 8))
+    assert_close_params(resumed[0], uninterrupted[0])
+    return True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_consolidated_checkpoint_resumes_the_same_trajectory(overlap):
+    assert run_workers(_checkpoint, 2, overlap) == [True, True]
+
+
+def _long_run(rank, world_size):
+    model = ddp(make_net(), False, True)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.01, momentum=0.9)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero, shard_buckets=True))
+    for step in range(60):
+        loss_of(model, rank, step).backward()
+        zero.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_sixty_overlapped_iterations_at_four_ranks_without_a_hang():
+    final = run_workers(_long_run, 4, timeout=120)
+    assert all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(final[0], final[r]))
+
+
+def _functional_core(rank, world_size):
+    collective = puredist.DistributedCollective()
+    params = {n: p.detach().clone() for n, p in make_net().named_parameters()}
+    sizes = [p.numel() for p in params.values()]
+    optimizer = puredist.adam(lr=0.01)
+    zero = puredist.zero(optimizer)
+    plan = puredist.plan_zero(sizes, world_size)
+    state = zero.init(params, plan=plan, rank=rank)
+    pure_params = {k: v.clone() for k, v in params.items()}
+    pure_state = zero.init(pure_params, plan=plan, rank=rank)
+    reference = {k: v.clone() for k, v in params.items()}
+    reference_state = optimizer.init(reference)
+    for step in range(5):
+        grads = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) for k, v in params.items()}
+        state = zero.update_(params, grads, state, collective=collective)
+        kept = {k: v.clone() for k, v in pure_params.items()}
+        pure_params, pure_state = zero.update(pure_params, grads, pure_state, collective=collective)
+        assert all(not torch.equal(kept[k], pure_params[k]) for k in kept)
+        reference_state = optimizer.update_(reference, grads, reference_state)
+        for k in params:
+            assert torch.equal(params[k], reference[k]) and torch.equal(pure_params[k], reference[k])
+    assert state.step == pure_state.step == 5 and len(state.owned) == len(plan.owned_by(rank))
+    return True
+
+
+def test_the_functional_core_equals_the_unsharded_optimizer():
+    assert run_workers(_functional_core, 2) == [True, True]
+
+
+def _mismatched_plans(rank, world_size):
+    params = [torch.ones(4), torch.ones(6)]
+    plan = puredist.ZeroPlan(2, (0, 1) if rank == 0 else (1, 0))
+    zero = puredist.zero(puredist.sgd(lr=0.1))
+    state = zero.init(params, plan=plan, rank=rank)
+    with pytest.raises(puredist.RankMismatchError, match="one ZeRO step"):
+        zero.update_(params, [torch.ones(4), torch.ones(6)], state, collective=puredist.DistributedCollective())
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)  # nothing updated
+    return True
+
+
+def test_mismatched_plans_raise_on_every_rank_and_update_nothing():
+    assert run_workers(_mismatched_plans, 2) == [True, True]
+
+
+def _bad_input(rank, world_size):
+    model = DDP(make_net())
+    errors = {}
+
+    def record(name, fn):
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            errors[name] = (type(error).__name__, str(error))
+
+    record("unsupported optimizer", lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.RMSprop, lr=0.1))
+    plain_zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    record("hook without overlap", lambda: hook_with_zero_step(allreduce_hook, model, plain_zero))
+    record("mixed devices", lambda: ZeroRedundancyOptimizer(
+        [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))], torch.optim.SGD, lr=0.1))
+    record("unknown keyword", lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, colour=1))
+    unused = DDP(make_net(), find_unused_parameters=True)
+    overlap_zero = ZeroRedundancyOptimizer(unused.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    record("find_unused_parameters", lambda: hook_with_zero_step(allreduce_hook, unused, overlap_zero))
+    record("two groups with overlap", lambda: ZeroRedundancyOptimizer(param_groups(model), torch.optim.SGD, overlap_with_ddp=True, lr=0.1))
+    return errors
+
+
+def test_bad_input_gets_clear_errors():
+    errors = run_workers(_bad_input, 2)[0]
+    assert errors["unsupported optimizer"][0] == "ValueError"
+    assert "RMSprop" in errors["unsupported optimizer"][1] and "torch.optim.Adam" in errors["unsupported optimizer"][1]
+    assert errors["hook without overlap"] == ("ValueError", "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook properly")
+    assert errors["mixed devices"][0] == "ValueError" and "meta" in errors["mixed devices"][1]
+    assert errors["unknown keyword"][0] == "TypeError" and "colour" in errors["unknown keyword"][1]
+    assert errors["find_unused_parameters"][0] == "ValueError" and "find_unused_parameters" in errors["find_unused_parameters"][1]
+    assert errors["two groups with overlap"][0] == "ValueError"
