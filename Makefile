@@ -18,4 +18,5 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_averaging.py
+	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_averaging.py
+	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_zero.py
