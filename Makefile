@@ -17,6 +17,9 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q
 
+demo: install
+	$(PY) -m puredist demo $(ARGS)
+
 bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_averaging.py
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_zero.py

@@ -1,0 +1,1 @@
+"""The main job: ``python -m puredist demo`` (see :mod:`puredist.demo.cli`)."""
