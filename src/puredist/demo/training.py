@@ -84,13 +84,14 @@ class ByteMeter:
 
 
 def progress(algorithm: str, step: int, steps: int, loss: float) -> None:
-    """A progress bar: redrawn in place on a terminal, a line per quarter elsewhere."""
+    """A progress bar: redrawn in place on a terminal; elsewhere a line at the first
+    step and at every quarter."""
     width = 30
     filled = width * step // steps
     line = f"  {algorithm:13s} [{'#' * filled}{'.' * (width - filled)}] {step:4d}/{steps} loss {loss:6.3f}"
     if sys.stdout.isatty():
         print("\r" + line, end="\n" if step == steps else "", flush=True)
-    elif step == steps or (4 * step) // steps != (4 * (step - 1)) // steps:
+    elif step in (1, steps) or (4 * step) // steps != (4 * (step - 1)) // steps:
         print(line, flush=True)
 
 

@@ -1,0 +1,115 @@
+"""The main job, at tiny size: it trains, measures, reports; bad options and Ctrl-C
+end cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from puredist.demo import cli
+
+DEMO = [sys.executable, "-m", "puredist", "demo"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    done = subprocess.run(
+        [*DEMO, "--world-size", "2", "--steps", "40", "--output", str(out)],
+        capture_output=True, text=True, timeout=240, env=ENV,
+    )
+    return done, out
+
+
+def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
+    done, out = tiny_run
+    assert done.returncode == 0, done.stderr
+    for algorithm in ("ddp", "periodic", "hierarchical", "zero"):
+        assert f"  {algorithm}" in done.stdout
+    assert (out / "demo.png").stat().st_size > 10_000
+    summary = json.loads((out / "results.json").read_text())
+    assert list(summary) == ["ddp", "periodic", "hierarchical", "zero"]
+    for row in summary.values():
+        assert row["final_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
+        assert len(row["losses"]) == 40 and row["losses"][-1] < row["losses"][0]
+
+
+def test_the_measured_bytes_follow_the_algorithms(tiny_run):
+    _, out = tiny_run
+    summary = json.loads((out / "results.json").read_text())
+    # ZeRO overlapped with DDP is DDP + SGD, step for step
+    assert summary["zero"]["final_loss"] == pytest.approx(summary["ddp"]["final_loss"], rel=1e-5)
+    # periodic averaging all-reduces parameters on 4 of 40 steps, DDP gradients on all 40
+    assert summary["periodic"]["bytes_sent"] < 0.3 * summary["ddp"]["bytes_sent"]
+    # ZeRO adds the owners' broadcasts to DDP's all-reduce
+    assert summary["zero"]["bytes_sent"] > summary["ddp"]["bytes_sent"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
+        (["--steps", "many"], "--steps: expected a whole number"),
+        (["--algorithms", "ddp,sparkle"], "unknown algorithm(s) ['sparkle']"),
+    ],
+)
+def test_bad_options_give_a_message_and_exit_2(options, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(options)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_worker_starts(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["--output", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a writable folder" in err and "Traceback" not in err
+
+
+def test_help_explains_the_options():
+    done = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 0
+    for option in ("--world-size", "--steps", "--algorithms", "--output", "--seed"):
+        assert option in done.stdout
+
+
+def _session_processes(session_id):
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session_id and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    process = subprocess.Popen(
+        [*DEMO, "--world-size", "2", "--steps", "100000", "--output", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
+    )
+    try:
+        line = process.stdout.readline()  # the banner...
+        line = process.stdout.readline()  # ...then the first progress line: workers are training
+        assert "ddp" in line, line
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = process.wait(timeout=60)
+        assert code == 130
+        assert "interrupted" in process.stderr.read()
+        deadline = time.monotonic() + 30
+        while _session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _session_processes(process.pid) == []
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
