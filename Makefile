@@ -8,7 +8,6 @@ export OMP_NUM_THREADS := 1
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
