@@ -1,8 +1,10 @@
 """Run a function on W local Gloo ranks, forked from the test process.
 
-The parent creates the rendezvous ``TCPStore`` (it owns the listening socket before
-any worker starts, so there is no free-port race), then forks one process per rank.
-Each worker joins the Gloo group, runs ``fn(rank, world_size, *args)``, meets the
+The parent forks one process per rank first, while it has no threads of its own (a
+fork taken while another thread holds a lock, e.g. the store server's, can leave the
+child deadlocked), then creates the rendezvous ``TCPStore`` on a port the OS picks
+and sends that port to every worker: the store owns the listening socket before any
+worker connects, so there is no free-port race. Each worker joins the Gloo group, runs ``fn(rank, world_size, *args)``, meets the
 others at a final barrier, and sends back its pickled result or traceback. Every job
 has a deadline: a hang becomes a ``TimeoutError`` naming the silent ranks (Gloo's own
 timeout is shorter, so a stuck collective raises a traceback first).
@@ -30,10 +32,13 @@ class WorkerError(AssertionError):
     """At least one rank raised; the message holds every failing rank's traceback."""
 
 
-def _worker(rank, world_size, port, fn, args, conn):
+def _worker(rank, world_size, fn, args, conn):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if not conn.poll(GLOO_TIMEOUT_S):
+            raise TimeoutError("the parent sent no rendezvous port")
+        port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
@@ -62,16 +67,18 @@ def run_workers(fn, world_size: int, *args, timeout: float = JOB_TIMEOUT_S) -> l
         WorkerError: a rank raised (every failing rank's traceback included).
         TimeoutError: some rank did not finish within ``timeout`` seconds.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
     receivers, processes = {}, []
     for rank in range(world_size):
-        receiver, sender = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_worker, args=(rank, world_size, store.port, fn, args, sender), daemon=True)
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=_worker, args=(rank, world_size, fn, args, child_end), daemon=True)
         process.start()
-        sender.close()
-        receivers[receiver] = rank
+        child_end.close()
+        receivers[parent_end] = rank
         processes.append(process)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    for parent_end in receivers:
+        parent_end.send(store.port)
 
     results: dict[int, tuple[bool, object]] = {}
     deadline = time.monotonic() + timeout
