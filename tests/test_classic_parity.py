@@ -204,6 +204,21 @@ def test_a_rank_mismatch_raises_on_every_rank():
         assert "rank 1: 5 tensors, 144 elements" in message
 
 
+def _contiguity_mismatch(rank, world_size):
+    big = torch.full((512, 512), float(rank))  # 1 MiB: reduced in place when contiguous
+    if rank == 1:
+        big = big.t().contiguous().t()  # same shape, dtype and device; not contiguous
+    small = torch.full((4,), float(rank))
+    with pytest.raises(puredist.RankMismatchError):
+        puredist.average_([big, small], collective=puredist.DistributedCollective())
+    assert torch.equal(big, torch.full((512, 512), float(rank))) and torch.equal(small, torch.full((4,), float(rank)))
+    return True
+
+
+def test_a_contiguity_mismatch_raises_instead_of_desynchronizing_the_buckets():
+    assert run_workers(_contiguity_mismatch, 2, timeout=60) == [True, True]
+
+
 def _bucketed_in_place(rank, world_size, cap):
     params = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + n)) for n in (3, 500, 7, 40, 1, 300, 2**18 + 5)]
     params.append(torch.randn(20, 20, generator=torch.Generator().manual_seed(rank)).t())  # non-contiguous

@@ -12,15 +12,16 @@ CASES = [
     (torch.optim.SGD, puredist.sgd, st.fixed_dictionaries({
         "lr": st.floats(0.001, 0.5), "momentum": st.sampled_from([0.0, 0.5, 0.9]),
         "weight_decay": st.sampled_from([0.0, 0.01]), "maximize": st.booleans(),
-        "dampening": st.sampled_from([0.0, 0.3]),
+        "dampening": st.sampled_from([0.0, 0.3]), "foreach": st.sampled_from([None, True, False]),
     })),
     (torch.optim.Adam, puredist.adam, st.fixed_dictionaries({
         "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.1]),
-        "amsgrad": st.booleans(), "maximize": st.booleans(),
+        "amsgrad": st.booleans(), "maximize": st.booleans(), "foreach": st.sampled_from([None, True, False]),
+        "decoupled_weight_decay": st.booleans(),
     })),
     (torch.optim.AdamW, puredist.adamw, st.fixed_dictionaries({
         "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.01]),
-        "amsgrad": st.booleans(), "maximize": st.booleans(),
+        "amsgrad": st.booleans(), "maximize": st.booleans(), "foreach": st.sampled_from([None, True, False]),
     })),
 ]
 

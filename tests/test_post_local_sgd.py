@@ -151,3 +151,42 @@ def _missing_step_warns(rank, world_size):
 
 def test_loading_a_plain_optimizer_state_warns_and_resets_the_step():
     assert run_workers(_missing_step_warns, 2) == [0, 0]
+
+
+def _zero_lr_with_rank_local_zero_grads(rank, world_size):
+    steps = {}
+    for name, impl in (("torch", TORCH), ("puredist", classic)):
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(2, 1)
+        optimizer = impl.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), impl.PeriodicModelAverager(period=2))
+        for p in model.parameters():  # lr 0 (a warm-up's first step); rank 0's grads happen to be 0
+            p.grad = torch.zeros_like(p) if rank == 0 else torch.ones_like(p)
+        optimizer.step()
+        steps[name] = (optimizer.averager.step, [p.detach().clone() for p in model.parameters()])
+    assert steps["puredist"][0] == steps["torch"][0] == 1
+    for ours, theirs in zip(steps["puredist"][1], steps["torch"][1]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)  # both averaged
+    return True
+
+
+def test_a_zero_learning_rate_step_averages_like_torch_on_every_rank():
+    # deciding from rank-local values whether to average would hang here
+    assert run_workers(_zero_lr_with_rank_local_zero_grads, 2, timeout=60) == [True, True]
+
+
+def _fp16_gradients(rank, world_size):
+    grads = {}
+    for name, impl in (("torch", TORCH), ("puredist", classic)):
+        module = torch.nn.Linear(1, 1, bias=False).half()
+        with torch.no_grad():
+            module.weight.fill_(1.0)
+        model = DDP(module)
+        model.register_comm_hook(impl.PostLocalSGDState(None, None, start_localSGD_iter=10), impl.post_localSGD_hook)
+        model(torch.full((1, 1), 40000.0, dtype=torch.half)).sum().backward()
+        grads[name] = module.weight.grad.item()
+    return grads
+
+
+def test_the_hook_divides_before_summing_so_fp16_gradients_do_not_overflow():
+    for grads in run_workers(_fp16_gradients, 2):
+        assert grads["puredist"] == grads["torch"] == 40000.0  # 2 x 40000 would overflow fp16

@@ -35,6 +35,7 @@ def _against_torch(rank, world_size, optimizer_name):
     optimizer_class, kwargs = {
         "sgd": (torch.optim.SGD, dict(momentum=0.9, weight_decay=0.01)),
         "adamw": (torch.optim.AdamW, dict(amsgrad=True)),
+        "adam_decoupled": (torch.optim.Adam, dict(decoupled_weight_decay=True, weight_decay=0.5, foreach=True)),
     }[optimizer_name]
     models = [DDP(make_net()) for _ in range(3)]
     plain = optimizer_class(param_groups(models[0]), **kwargs)
@@ -55,7 +56,7 @@ def _against_torch(rank, world_size, optimizer_name):
     return owned_bytes / full_bytes
 
 
-@pytest.mark.parametrize("world_size, optimizer_name", [(2, "sgd"), (2, "adamw"), (4, "adamw")])
+@pytest.mark.parametrize("world_size, optimizer_name", [(2, "sgd"), (2, "adamw"), (2, "adam_decoupled"), (4, "adamw")])
 def test_matches_torch_zero_and_the_plain_optimizer_with_two_param_groups(world_size, optimizer_name):
     fractions = run_workers(_against_torch, world_size, optimizer_name)
     assert sum(fractions) == pytest.approx(1.0)  # every state tensor lives on exactly one rank
@@ -215,6 +216,7 @@ def _bad_input(rank, world_size):
     record("mixed devices", lambda: ZeroRedundancyOptimizer(
         [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))], torch.optim.SGD, lr=0.1))
     record("unknown keyword", lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, colour=1))
+    record("fused kernel", lambda: ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1, fused=True))
     unused = DDP(make_net(), find_unused_parameters=True)
     overlap_zero = ZeroRedundancyOptimizer(unused.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     record("find_unused_parameters", lambda: hook_with_zero_step(allreduce_hook, unused, overlap_zero))
@@ -229,5 +231,6 @@ def test_bad_input_gets_clear_errors():
     assert errors["hook without overlap"] == ("ValueError", "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook properly")
     assert errors["mixed devices"][0] == "ValueError" and "meta" in errors["mixed devices"][1]
     assert errors["unknown keyword"][0] == "TypeError" and "colour" in errors["unknown keyword"][1]
+    assert errors["fused kernel"][0] == "ValueError" and "fused" in errors["fused kernel"][1]
     assert errors["find_unused_parameters"][0] == "ValueError" and "find_unused_parameters" in errors["find_unused_parameters"][1]
     assert errors["two groups with overlap"][0] == "ValueError"

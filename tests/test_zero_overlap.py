@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
+from puredist.sharding import reverse_order_buckets
 from workers import run_workers
 
 HOOKS = {"plain": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
@@ -85,3 +86,31 @@ def test_four_ranks_with_gradient_accumulation(hook_name):
     combos = [(hook_name, True, False, True, "adam"), (hook_name, False, False, False, "sgd")]
     final = run_workers(_parity, 4, combos, 2, timeout=120)
     assert all(torch.equal(a, b) for r in range(1, 4) for a, b in zip(final[0], final[r]))
+
+
+def _settled_buckets(rank, world_size):
+    model = ddp(make_net(), False, False)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.01)
+    params = list(model.parameters())
+    index_of = {id(p): i for i, p in enumerate(params)}
+    seen = []
+
+    def recording_hook(state, bucket):
+        seen[-1].append(sorted(index_of[id(p)] for p in bucket.parameters()))
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook_with_zero_step(recording_hook, model, zero, shard_buckets=False))
+    for step in range(3):
+        seen.append([])
+        loss_of(model, rank, step).backward()
+        zero.zero_grad()
+    predicted = reverse_order_buckets([p.numel() * 4 for p in params], model.bucket_bytes_cap, model.bucket_bytes_cap)
+    return seen, [sorted(b) for b in predicted], zero.zero_state.plan.owners
+
+
+def test_whole_buckets_are_owned_by_one_rank_once_ddp_settles_its_buckets():
+    seen, predicted, owners = run_workers(_settled_buckets, 2)[0]
+    assert len(seen[0]) == 1  # DDP's first iteration: one bucket for everything
+    assert seen[1] == seen[2] == predicted and len(predicted) > 1  # then the predicted layout
+    assert all(len({owners[i] for i in bucket}) == 1 for bucket in seen[2])
+    assert len(set(owners)) == 2  # and both ranks own some

@@ -10,9 +10,9 @@ tensor in and out of a staging buffer (on 2 Gloo ranks a call costs ~0.3 ms, a c
 reduced, and copied back. A non-contiguous tensor larger than ``bucket_bytes`` is
 staged alone.
 
-The plan depends only on the tensors' devices, dtypes, sizes and contiguity, which
-the collective has already checked to be equal on every rank, so every rank issues
-the same collectives in the same order.
+The plan depends only on the tensors' devices, dtypes, sizes and contiguity; the
+collective checks those are equal on every rank before it reduces (unless told not
+to), so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ torch's ``get_params_to_average`` keeps parameters whose ``.grad`` is set, which
 rank-local fact: two ranks may then pass lists of different lengths or shapes to one
 all-reduce, which hangs or averages unrelated values. Before reducing, every rank
 contributes a 3-number summary of its list (count, total elements, digest of the
-devices, dtypes and shapes) to one small ``all_gather``; every rank sees every
+devices, dtypes, shapes and contiguity) to one small ``all_gather``; every rank sees every
 summary, so either all ranks proceed or all raise the same error.
 """
 
@@ -22,7 +22,10 @@ class RankMismatchError(RuntimeError):
 
 
 def _signature(tensors: Sequence[torch.Tensor], context: str) -> torch.Tensor:
-    text = context + "|" + ";".join(f"{t.device.type},{t.dtype},{tuple(t.shape)}" for t in tensors)
+    # everything the bucket plan depends on: a difference would desynchronize the collectives
+    text = context + "|" + ";".join(
+        f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}" for t in tensors
+    )
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
     return torch.tensor([len(tensors), sum(t.numel() for t in tensors), digest], dtype=torch.int64)
 
@@ -41,7 +44,7 @@ def check_same_tensors_on_all_ranks(
     what: str = "one averaging all-reduce",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks of ``group``
-    hold tensors of the same count, devices types, dtypes and shapes, in order, and
+    hold tensors of the same count, device types, dtypes, shapes and contiguity, in order, and
     the same ``context`` string.
 
     Args:

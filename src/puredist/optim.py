@@ -127,8 +127,10 @@ def sgd(
     nesterov: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> Optimizer:
-    """Stochastic gradient descent, as ``torch.optim.SGD`` (same arguments and math).
+    """Stochastic gradient descent, as ``torch.optim.SGD`` (same arguments and math;
+    ``foreach`` picks torch's kernel as the class does, ``None`` = torch's default).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
@@ -139,12 +141,12 @@ def sgd(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     hyperparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                       nesterov=nesterov, maximize=maximize)
+                       nesterov=nesterov, maximize=maximize, foreach=foreach)
 
     def step(params, grads, states):
         buffers = [s.momentum_buffer for s in states]
-        _sgd_kernel(params, grads, buffers, weight_decay=weight_decay, momentum=momentum, lr=lr,
-                    dampening=dampening, nesterov=nesterov, maximize=maximize)
+        _sgd_kernel(params, grads, buffers, foreach=foreach, weight_decay=weight_decay, momentum=momentum,
+                    lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize)
         if momentum == 0:
             return list(states)
         return [SGDParamState(b) for b in buffers]
@@ -152,13 +154,13 @@ def sgd(
     return _make_optimizer("SGD", hyperparams, lambda p: SGDParamState(None), step)
 
 
-def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled: bool) -> Optimizer:
+def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled: bool) -> Optimizer:
     for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         _check_nonnegative(arg, value)
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
         raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
     hyperparams = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                       amsgrad=amsgrad, maximize=maximize)
+                       amsgrad=amsgrad, maximize=maximize, foreach=foreach)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
@@ -171,6 +173,7 @@ def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, dec
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
             [s.max_exp_avg_sq for s in states] if amsgrad else [],
             [s.step for s in states],
+            foreach=foreach,
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize,
@@ -188,13 +191,16 @@ def adam(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
+    decoupled_weight_decay: bool = False,
 ) -> Optimizer:
-    """Adam, as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+    """Adam, as ``torch.optim.Adam``: L2 weight decay added to the gradient, or
+    decoupled (AdamW) with ``decoupled_weight_decay=True``.
 
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
     """
-    return _adam_family("Adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _adam_family("Adam", lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled_weight_decay)
 
 
 def adamw(
@@ -205,13 +211,14 @@ def adamw(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> Optimizer:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
     """
-    return _adam_family("AdamW", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _adam_family("AdamW", lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled=True)
 
 
 OPTIMIZERS: Mapping[type, Callable[..., Optimizer]] = {

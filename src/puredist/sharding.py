@@ -74,24 +74,25 @@ def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
 
 
 def reverse_order_buckets(nbytes: Sequence[int], bucket_cap_bytes: int, first_bucket_cap_bytes: int) -> list[list[int]]:
-    """The bucket layout DDP starts with: parameters in reverse registration order
-    (gradients come roughly last layer first), cut into buckets of at most
-    ``first_bucket_cap_bytes`` for the first and ``bucket_cap_bytes`` for the rest
-    (a parameter larger than the cap gets a bucket of its own).
+    """The bucket layout DDP settles on after its first iteration, for a model whose
+    gradients become ready in reverse registration order (the usual case): walking
+    the parameters last to first, each joins the open bucket, which closes as soon as
+    it holds ``first_bucket_cap_bytes`` (the first bucket) or ``bucket_cap_bytes``
+    (the others) or more — torch's ``_compute_bucket_assignment_by_size`` rule, for
+    one device and dtype.
 
     Returns:
-        Parameter indices per bucket, in bucket order.
+        Parameter indices per bucket, in bucket (= gradient-ready) order.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
     for index in reversed(range(len(nbytes))):
-        cap = first_bucket_cap_bytes if not buckets else bucket_cap_bytes
-        if current and current_bytes + nbytes[index] > cap:
-            buckets.append(current)
-            current, current_bytes = [], 0
         current.append(index)
         current_bytes += nbytes[index]
+        if current_bytes >= (first_bucket_cap_bytes if not buckets else bucket_cap_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
     if current:
         buckets.append(current)
     return buckets

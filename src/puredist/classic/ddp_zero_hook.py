@@ -8,8 +8,12 @@ runs during DDP's backward. Differences on purpose:
   step's broadcasts) is issued from the training thread, in bucket order, the same
   on every rank: a bucket's step waits for its all-reduce on the training thread,
   never in a future's callback on a backend thread.
-- No lost iterations: the plan is fixed when the hook is built (from DDP's initial
-  bucket layout), so the very first backward already updates.
+- No lost iterations: the plan is fixed when the hook is built, from the bucket
+  layout DDP settles on after its first iteration (predicted: gradients ready in
+  reverse registration order), so the very first backward already updates. In the
+  first iteration DDP uses one bucket for everything, and a model whose gradients
+  come in another order gets other buckets: ownership is per parameter, so updates
+  stay exact; only "one owner per bucket" is then approximate.
 - ``find_unused_parameters=True`` is refused at construction: DDP then leaves the
   ``.grad`` of unused parameters untouched while their bucket slots hold zeros, and
   a step on those zeros would still move them (momentum, weight decay).
@@ -34,7 +38,11 @@ from puredist.sharding import plan_zero, reverse_order_buckets
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
-_DDP_FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def _first_bucket_bytes_cap(ddp: DistributedDataParallel) -> int:
+    config = getattr(ddp, "_bucket_config", None)  # where recent torch keeps it
+    return config.first_bucket_bytes_cap if config is not None else dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 class _OverlappedIteration:
@@ -90,7 +98,7 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
     if sorted(index_of.get(id(p), -1) for p in ddp_params) != list(range(len(params))):
         raise ValueError("Arg ``zero`` must optimize exactly the parameters of ``ddp`` that require grad.")
     layout = reverse_order_buckets(
-        [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _DDP_FIRST_BUCKET_BYTES
+        [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _first_bucket_bytes_cap(ddp)
     )
     buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout]
     zero._adopt_plan(
@@ -125,7 +133,7 @@ def hook_with_zero_step(
         ddp: the DDP module.
         zero: a :class:`ZeroRedundancyOptimizer` built with ``overlap_with_ddp=True``
             over exactly ``ddp``'s trainable parameters.
-        shard_buckets: ``False``: each bucket (of DDP's initial layout) is owned by
+        shard_buckets: ``False``: each bucket (of DDP's settled layout) is owned by
             one rank, buckets balanced largest-first; ``True``: each bucket's
             parameters are spread over ranks.
 

@@ -64,9 +64,10 @@ class PostLocalSGDState:
 
 
 def _allreduce_mean_future(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future:
-    size = dist.get_world_size(group)
+    # divide first, as torch's hook does: a sum of fp16 gradients could overflow
+    tensor.div_(dist.get_world_size(group))
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(size))
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

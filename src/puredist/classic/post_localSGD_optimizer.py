@@ -8,12 +8,15 @@ Differences on purpose:
 - The averager's step survives ``torch.distributed.checkpoint``: besides torch's
   top-level ``"step"`` entry (which ``get_optimizer_state_dict`` drops), it is
   saved in every param group of the state dict, which DCP keeps.
-- The zero-learning-rate, zero-gradient step that DCP runs to initialize an empty
-  optimizer state does not advance or trigger the averager.
+- The zero-learning-rate, zero-gradient step that DCP runs (from
+  ``_init_optim_state``) to initialize an empty optimizer state does not advance or
+  trigger the averager.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -25,6 +28,18 @@ __all__ = ["PostLocalSGDOptimizer"]
 
 AVERAGER_STEP_KEY = "puredist_averager_step"
 """The param-group entry that carries the averager's step through checkpoints."""
+
+
+_DCP_INITIALIZER = ("_init_optim_state", os.path.join("distributed", "checkpoint", "state_dict.py"))
+
+
+def _called_by_checkpoint_initialization() -> bool:
+    """Whether ``step`` was called by ``torch.distributed.checkpoint`` to fill an empty
+    optimizer state (it steps with lr 0 and zero grads). Decided by the call site,
+    which is the same on every rank, never by rank-local values (that could make
+    ranks disagree about averaging, and hang)."""
+    frame = sys._getframe(2)  # 0: this function, 1: step, 2: step's caller
+    return frame.f_code.co_name == _DCP_INITIALIZER[0] and frame.f_code.co_filename.endswith(_DCP_INITIALIZER[1])
 
 
 def _saved_averager_step(state_dict: dict[str, Any]) -> int | None:
@@ -87,25 +102,14 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             step = 0
         self.averager.step = step
 
-    def _is_checkpoint_initialization_step(self) -> bool:
-        # torch.distributed.checkpoint fills an empty optimizer state by stepping with
-        # every lr set to 0 and every grad set to zeros; that step learns nothing and
-        # must leave the averager alone. The lr test is host-only; grads are read only
-        # when every lr is 0.
-        if any(group.get("lr", 1) != 0 for group in self.param_groups):
-            return False
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return all(not bool(g.any()) for g in grads)
-
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
         """One local optimizer step (with ``closure`` if given), then the averager.
 
         Returns:
             The closure's loss, or ``None``.
         """
-        initializing = self._is_checkpoint_initialization_step()
         loss = self.optim.step() if closure is None else self.optim.step(closure)
-        if not initializing:
+        if not _called_by_checkpoint_initialization():
             self.averager.average_parameters(params=self.param_groups)
         return loss
 

@@ -38,6 +38,11 @@ _NOT_CONSOLIDATED = (
 )
 
 
+_IMPLEMENTATION_ONLY = ("fused", "capturable", "differentiable")
+"""torch.optim keywords accepted only when off: puredist runs torch's foreach or
+single-tensor kernels, never the fused, capturable or differentiable ones."""
+
+
 def _supported_names() -> str:
     return ", ".join(f"torch.optim.{cls.__name__}" for cls in OPTIMIZERS)
 
@@ -62,6 +67,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             supported ones), several param groups with ``overlap_with_ddp``,
             parameters on several devices, bad hyper-parameters.
         TypeError: a keyword argument ``optimizer_class`` does not take.
+        ValueError: ``fused``, ``capturable`` or ``differentiable`` switched on.
         RankMismatchError: ranks hold different parameter layouts (every rank).
     """
 
@@ -81,10 +87,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             )
         self._factory = OPTIMIZERS[optimizer_class]
         self._factory_args = tuple(inspect.signature(self._factory).parameters)
-        torch_args = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
-        unknown = set(defaults) - set(self._factory_args) - torch_args
+        unknown = set(defaults) - set(self._factory_args) - set(_IMPLEMENTATION_ONLY)
         if unknown:
             raise TypeError(f"{optimizer_class.__name__} got unexpected keyword arguments {sorted(unknown)}.")
+        unsupported = sorted(k for k in _IMPLEMENTATION_ONLY if defaults.pop(k, None))
+        if unsupported:
+            raise ValueError(
+                f"puredist's ZeroRedundancyOptimizer does not support {unsupported} "
+                f"(only their default, off); got {optimizer_class.__name__} with them on."
+            )
         full_defaults = {
             name: parameter.default for name, parameter in inspect.signature(self._factory).parameters.items()
         }
