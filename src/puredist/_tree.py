@@ -43,3 +43,9 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     leaves, spec = tree_flatten(tree)
     others = [spec.flatten_up_to(other) for other in rest]
     return tree_unflatten(spec, [fn(*args) for args in zip(leaves, *others)])
+
+
+def clone_leaves(leaves: list[Any]) -> list[Any]:
+    """Fresh tensors with the leaves' values (detached, ``requires_grad`` kept): the
+    outputs of the pure functions, which never write into their inputs."""
+    return [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]

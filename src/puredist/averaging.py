@@ -24,7 +24,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import torch
 
-from puredist._tree import PyTree, tree_flatten, tree_unflatten
+from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist._validation import (
     check_hierarchy_group_sizes,
     warn_if_max_period_is_one,
@@ -112,7 +112,7 @@ def average(params: PyTree, *, collective: Collective, group_size: int | None = 
 
 
 def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None) -> PyTree:
-    copies = [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+    copies = clone_leaves(leaves)
     collective.mean_(copies, group_size=group_size)
     return tree_unflatten(spec, copies)
 

@@ -30,7 +30,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._tree import PyTree, tree_flatten, tree_unflatten
+from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 
 
 class SGDParamState(NamedTuple):
@@ -112,7 +112,7 @@ def _make_optimizer(name: str, hyperparams: dict, init_leaf: Callable, step: _St
 
     def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
         leaves, spec = tree_flatten(params)
-        copies = [p.detach().clone().requires_grad_(p.requires_grad) for p in leaves]
+        copies = clone_leaves(leaves)
         new_state = update_(copies, spec.flatten_up_to(grads), tuple(_clone_state(s) for s in state))
         return tree_unflatten(spec, copies), new_state
 

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._tree import PyTree, tree_flatten, tree_unflatten
+from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.sharding import ZeroPlan
@@ -129,7 +129,7 @@ def zero(optimizer: Optimizer) -> Zero:
 
     def update(params, grads, state: ZeroState, *, collective: DistributedCollective):
         leaves, spec = tree_flatten(params)
-        copies = [p.detach().clone().requires_grad_(p.requires_grad) for p in leaves]
+        copies = clone_leaves(leaves)
         cloned = state._replace(owned=tuple(_clone_state(s) for s in state.owned))
         new_state = update_(copies, spec.flatten_up_to(grads), cloned, collective=collective)
         return tree_unflatten(spec, copies), new_state
