@@ -8,6 +8,7 @@ from puredist.averaging import (
     AveragerState,
     average,
     average_,
+    averaged_tensors,
     hierarchical_averager,
     periodic_averager,
 )
@@ -19,6 +20,7 @@ from puredist.collectives import (
     SimulatedCollective,
 )
 from puredist.optim import Optimizer, adam, adamw, sgd
+from puredist.outer import OuterState, OuterTransform, outer_optimizer
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero import Zero, ZeroState, zero
@@ -34,6 +36,7 @@ __all__ = [
     "SimulatedCollective",
     "average",
     "average_",
+    "averaged_tensors",
     "hierarchical_averager",
     "hierarchical_schedule",
     "periodic_averager",
@@ -47,4 +50,7 @@ __all__ = [
     "Zero",
     "ZeroState",
     "zero",
+    "OuterState",
+    "OuterTransform",
+    "outer_optimizer",
 ]

@@ -117,6 +117,39 @@ def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None)
     return tree_unflatten(spec, copies)
 
 
+def averaged_tensors(module: torch.nn.Module, *, buffers: bool = False, integer_buffers: str = "skip") -> dict[str, torch.Tensor]:
+    """The tensors of ``module`` to hand to an averager, by name.
+
+    Args:
+        module: the model.
+        buffers: also include floating-point buffers (e.g. BatchNorm running
+            statistics); off by default, as torch's averagers average parameters only.
+        integer_buffers: what to do with integer buffers (e.g. BatchNorm's
+            ``num_batches_tracked``) when ``buffers``: ``"skip"`` leaves them out (each
+            rank keeps its own), ``"error"`` raises. They are never averaged as floats.
+
+    Returns:
+        ``{name: tensor}``: the module's own tensors (averaging them in place updates
+        the module), parameters first, in ``named_parameters()``/``named_buffers()`` order.
+
+    Raises:
+        ValueError: unknown ``integer_buffers``; with ``"error"``, an integer buffer.
+    """
+    if integer_buffers not in ("skip", "error"):
+        raise ValueError(f"Arg ``integer_buffers`` must be 'skip' or 'error', got {integer_buffers!r}.")
+    tensors = dict(module.named_parameters())
+    if buffers:
+        for name, buffer in module.named_buffers():
+            if buffer.is_floating_point():
+                tensors[name] = buffer
+            elif integer_buffers == "error":
+                raise ValueError(
+                    f"Buffer {name!r} has dtype {buffer.dtype}: averaging it as a float is refused; "
+                    "pass integer_buffers='skip' to leave it alone."
+                )
+    return tensors
+
+
 _Decision = tuple[bool, "int | None"]
 
 

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
             "(Gloo on 127.0.0.1, no GPU, no network), once per algorithm, and compare held-out "
             "accuracy, loss, wall time and the bytes each worker sent. Algorithms: ddp (gradient "
             "all-reduce every step), periodic (post-local SGD: average every 8 steps), hierarchical "
-            "(pairs every 2 steps, everybody every 8), zero (ZeRO optimizer step overlapped with DDP)."
+            "(pairs every 2 steps, everybody every 8), zero (ZeRO optimizer step overlapped with DDP), "
+            "diloco (outer Nesterov SGD on bf16 pseudo-gradients every 8 steps)."
         ),
     )
     parser.add_argument("--world-size", type=_positive_int, default=4, help="worker processes (default 4)")

@@ -1,0 +1,315 @@
+"""Outer optimization: local SGD with an outer optimizer (DiLoCo), as a pure transform.
+
+Every rank keeps a *global* copy of the parameters: their value at the last
+synchronization. Every ``sync_every`` steps the ranks average the pseudo-gradient
+``global - local``, take one step of an *outer* optimizer (any functional optimizer
+of :mod:`puredist.optim`) on the global copy with it, and write the new global
+parameters into the local ones, in place. With outer ``sgd(lr=1)`` (no momentum) this
+is exactly periodic model averaging: ``g - mean(g - l) = mean(l)``. The documented
+DiLoCo recipe is ``sgd(lr=0.7, momentum=0.9, nesterov=True)``.
+
+Options (static, checked by :func:`outer_optimizer`):
+
+- ``comm_dtype``: the pseudo-gradient is all-reduced in this dtype (e.g. bf16, half the
+  bytes of fp32); the outer step runs in the parameters' dtype.
+- ``global_device``: where the global copy and the outer state live (e.g. ``"cpu"``).
+- ``fragments``: the parameter leaves are cut into this many contiguous fragments of
+  about equal size; fragment ``f`` synchronizes ``f * sync_every // fragments`` steps
+  after fragment 0, so no synchronization sends the whole model.
+- ``delay``: the all-reduce started at step ``k`` is applied at step ``k + delay``
+  (``0 <= delay < sync_every``), overlapping the communication with ``delay`` local
+  steps; the local progress made meanwhile is kept: ``local <- global_new + (local -
+  local_at_k)``. With ``delay=0`` the update is synchronous: ``local <- global_new``.
+- ``lower_levels``: ``{period: group_size}`` — hierarchical averaging below the outer
+  step: at a step with no outer synchronization, the largest of these periods dividing
+  the step (after warm-up) averages the parameters within blocks of its group size
+  (plain averaging, no outer optimizer: the global copy and the outer state change only
+  at outer synchronizations, so they stay identical on every rank).
+
+Schedule: fragment ``f`` synchronizes at step ``k`` iff ``k - warmup_steps - offset_f >=
+0`` and is a multiple of ``sync_every`` (torch's periodic rule for ``f = 0``). The global
+copy starts as the initial parameters.
+
+The state, :class:`OuterState`, holds the step, the global copy, the outer optimizer's
+per-parameter states and the synchronizations in flight; :attr:`OuterTransform.state_dict`
+and :attr:`OuterTransform.load_state_dict` turn it into a flat dict of fixed keys (the
+same for any state of one transform), which ``torch.save`` and
+``torch.distributed.checkpoint`` both store.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from puredist._tree import PyTree, clone_leaves, tree_unflatten
+from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
+from puredist.averaging import _float_leaves
+from puredist.collectives import Collective, CollectiveHandle
+from puredist.optim import Optimizer, _clone_state
+from puredist.schedules import hierarchical_schedule
+
+
+class InFlight(NamedTuple):
+    """One fragment's synchronization, started and not yet applied.
+
+    Attributes:
+        apply_step: the step at which the averaged pseudo-gradient is applied.
+        fragment: the fragment's index.
+        pseudo_grads: the fragment's pseudo-gradients, averaged in place by the
+            collective (final once ``handle`` is waited on), in the comm dtype.
+        snapshot: the fragment's local parameters when it started (``()`` when
+            ``delay == 0``: nothing runs in between).
+        handle: the collective's handle.
+    """
+
+    apply_step: int
+    fragment: int
+    pseudo_grads: tuple[torch.Tensor, ...]
+    snapshot: tuple[torch.Tensor, ...]
+    handle: CollectiveHandle
+
+
+class OuterState(NamedTuple):
+    """State of an outer-optimization transform.
+
+    Attributes:
+        step: how many times ``update``/``update_`` ran.
+        global_params: the global copy, one tensor per parameter leaf.
+        outer_state: the outer optimizer's per-parameter states, aligned with the leaves.
+        in_flight: synchronizations started and not yet applied, in start order.
+    """
+
+    step: int
+    global_params: tuple[torch.Tensor, ...]
+    outer_state: tuple
+    in_flight: tuple[InFlight, ...]
+
+
+class OuterTransform(NamedTuple):
+    """``init``, pure ``update``, in-place ``update_``, and the checkpoint pair.
+
+    ``state_dict(state, *, rank)`` completes any collective in flight (every rank must
+    call it at the same step) and returns a flat dict; keys of values that differ
+    between ranks (the snapshots of in-flight synchronizations) carry ``rank``, the
+    others are identical on every rank. ``load_state_dict(state, saved, *, rank)``
+    returns the state saved, with ``state`` (any state of this transform on this rank,
+    e.g. a fresh ``init``) as the template.
+    """
+
+    init: Callable[[PyTree], OuterState]
+    update: Callable[..., tuple[PyTree, OuterState]]
+    update_: Callable[..., OuterState]
+    state_dict: Callable[..., dict[str, Any]]
+    load_state_dict: Callable[..., OuterState]
+
+
+def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], ...]:
+    """Cut leaf indices ``0..len(sizes)-1`` into ``count`` non-empty contiguous runs of
+    about equal total size: a run ends once the running total reaches its share
+    ``(f + 1) * total / count``, leaving at least one leaf for every later run."""
+    fragments: list[tuple[int, ...]] = []
+    total, running, start = sum(sizes), 0, 0
+    for index, size in enumerate(sizes):
+        running += size
+        remaining_leaves = len(sizes) - index - 1
+        remaining_runs = count - len(fragments) - 1
+        share_reached = running * count >= (len(fragments) + 1) * total
+        if remaining_runs > 0 and (share_reached or remaining_leaves == remaining_runs):
+            fragments.append(tuple(range(start, index + 1)))
+            start = index + 1
+    fragments.append(tuple(range(start, len(sizes))))
+    return tuple(fragments)
+
+
+def _check_options(sync_every, warmup_steps, delay, fragments) -> None:
+    check_period(sync_every)
+    check_warmup_steps(warmup_steps)
+    for name, value, low, high in (("delay", delay, 0, sync_every - 1), ("fragments", fragments, 1, sync_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"Arg ``{name}`` must be an int in [{low}, {high}] for sync_every={sync_every}, got {value!r}.")
+
+
+def outer_optimizer(
+    outer: Optimizer,
+    *,
+    sync_every: int,
+    warmup_steps: int = 0,
+    delay: int = 0,
+    fragments: int = 1,
+    comm_dtype: torch.dtype | None = None,
+    global_device: torch.device | str | None = None,
+    lower_levels: Mapping[int, int] | None = None,
+) -> OuterTransform:
+    """Build the outer-optimization transform (see the module docstring).
+
+    Args:
+        outer: the outer optimizer, e.g. ``puredist.sgd(0.7, momentum=0.9, nesterov=True)``.
+        sync_every: inner steps between two synchronizations of a fragment (``H``).
+        warmup_steps: steps before fragment 0's first synchronization.
+        delay: steps between starting and applying a synchronization, ``< sync_every``.
+        fragments: how many staggered fragments, ``<= sync_every``.
+        comm_dtype: dtype of the all-reduced pseudo-gradient (``None``: the parameter's).
+        global_device: device of the global copy and outer state (``None``: the
+            parameter's).
+        lower_levels: ``{period: group_size}`` plain averaging below the outer step.
+
+    Raises:
+        ValueError, TypeError: bad options (named, with their value); at ``init``, more
+            fragments than parameter leaves; at update, a lower-level group size the
+            collective cannot average within.
+    """
+    _check_options(sync_every, warmup_steps, delay, fragments)
+    lower = dict(lower_levels or {})
+    lower_level = hierarchical_schedule(tuple(lower), warmup_steps) if lower else (lambda step: None)
+    if lower:
+        check_hierarchy_periods(tuple(lower))
+    lower_sizes = tuple(lower.values())
+    offsets = [f * sync_every // fragments for f in range(fragments)]
+
+    def due_fragments(step: int) -> list[int]:
+        return [
+            f for f in range(fragments)
+            if step - warmup_steps - offsets[f] >= 0 and (step - warmup_steps - offsets[f]) % sync_every == 0
+        ]
+
+    def layout(leaves: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+        if fragments > len(leaves):
+            raise ValueError(f"Arg ``fragments`` {fragments} exceeds the {len(leaves)} parameter leaves.")
+        return split_fragments([leaf.numel() for leaf in leaves], fragments)
+
+    def init(params: PyTree) -> OuterState:
+        leaves, _ = _float_leaves(params)
+        layout(leaves)
+        global_params = tuple(
+            leaf.detach().to(device=global_device if global_device is not None else leaf.device, copy=True)
+            for leaf in leaves
+        )
+        return OuterState(0, global_params, outer.init(list(global_params)), ())
+
+    def check_collective(collective: Collective) -> None:
+        missing = [g for g in lower_sizes if g not in collective.group_sizes]
+        if collective.is_member and missing:
+            raise ValueError(
+                f"The collective cannot average within groups of sizes {missing} from arg "
+                f"``lower_levels``; it supports {collective.group_sizes}."
+            )
+
+    def start(leaves, state: OuterState, fragment: int, indices, collective: Collective) -> InFlight:
+        with torch.no_grad():
+            pseudo = tuple(
+                (state.global_params[i].to(leaves[i].device, leaves[i].dtype) - leaves[i].detach()).to(
+                    comm_dtype or leaves[i].dtype
+                )
+                for i in indices
+            )
+            snapshot = tuple(leaves[i].detach().clone() for i in indices) if delay else ()
+        handle = collective.mean_(list(pseudo), async_op=True)
+        return InFlight(state.step + delay, fragment, pseudo, snapshot, handle)
+
+    def apply(leaves, global_params: list, outer_state: list, item: InFlight, indices) -> None:
+        item.handle.wait()
+        targets = [global_params[i] for i in indices]
+        grads = [p.to(device=g.device, dtype=g.dtype) for p, g in zip(item.pseudo_grads, targets)]
+        stepped = outer.update_(targets, grads, tuple(outer_state[i] for i in indices))
+        with torch.no_grad():
+            for k, i in enumerate(indices):
+                outer_state[i] = stepped[k]
+                local = leaves[i].detach()
+                if item.snapshot:  # keep the local progress made while the all-reduce ran
+                    local.sub_(item.snapshot[k]).add_(targets[k].to(local.device, local.dtype))
+                else:
+                    local.copy_(targets[k])
+
+    def update_(params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
+        leaves, _ = _float_leaves(params)
+        fragment_leaves = layout(leaves)
+        check_collective(collective)
+        due = due_fragments(state.step)
+        in_flight = list(state.in_flight)
+        for f in due:
+            in_flight.append(start(leaves, state, f, fragment_leaves[f], collective))
+        global_params, outer_state, waiting = list(state.global_params), list(state.outer_state), []
+        for item in in_flight:
+            if item.apply_step == state.step:
+                apply(leaves, global_params, outer_state, item, fragment_leaves[item.fragment])
+            else:
+                waiting.append(item)
+        level = lower_level(state.step) if not due else None
+        if level is not None:
+            collective.mean_(leaves, group_size=lower_sizes[level])
+        return OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting))
+
+    def update(params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
+        """Pure: first completes the input state's collectives in flight (their buffers
+        belong to the collective until then), then works on copies."""
+        for item in state.in_flight:
+            item.handle.wait()
+        leaves, spec = _float_leaves(params)
+        copies = clone_leaves(leaves)
+        cloned = OuterState(
+            state.step,
+            tuple(t.clone() for t in state.global_params),
+            tuple(_clone_state(s) for s in state.outer_state),
+            tuple(
+                item._replace(
+                    pseudo_grads=tuple(t.clone() for t in item.pseudo_grads),
+                    snapshot=tuple(t.clone() for t in item.snapshot),
+                )
+                for item in state.in_flight
+            ),
+        )
+        return tree_unflatten(spec, copies), update_(copies, cloned, collective=collective)
+
+    def state_dict(state: OuterState, *, rank: int) -> dict[str, Any]:
+        fragment_leaves = layout(state.global_params)
+        saved: dict[str, Any] = {"step": state.step}
+        for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
+            saved[f"global.{i}"] = global_param
+            for field, value in leaf_state._asdict().items():
+                saved[f"outer.{i}.{field}.present"] = value is not None
+                saved[f"outer.{i}.{field}"] = value if value is not None else torch.zeros_like(global_param)
+        by_fragment = {item.fragment: item for item in state.in_flight}
+        for f, indices in enumerate(fragment_leaves):
+            item = by_fragment.get(f)
+            if item is not None:
+                item.handle.wait()
+            saved[f"in_flight.{f}.apply_step"] = item.apply_step if item is not None else -1
+            for k, i in enumerate(indices):
+                like = state.global_params[i].to(dtype=comm_dtype or state.global_params[i].dtype)
+                saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(like)
+                if delay:
+                    snapshot = item.snapshot[k] if item else torch.zeros_like(state.global_params[i])
+                    saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = snapshot
+        return saved
+
+    def load_state_dict(state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
+        fragment_leaves = layout(state.global_params)
+        global_params = tuple(
+            saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True) for i, g in enumerate(state.global_params)
+        )
+        outer_state = tuple(
+            type(leaf_state)(**{
+                field: saved[f"outer.{i}.{field}"].clone() if saved[f"outer.{i}.{field}.present"] else None
+                for field in leaf_state._fields
+            })
+            for i, leaf_state in enumerate(state.outer_state)
+        )
+        in_flight = []
+        for f, indices in enumerate(fragment_leaves):
+            apply_step = int(saved[f"in_flight.{f}.apply_step"])
+            if apply_step < 0:
+                continue
+            in_flight.append(InFlight(
+                apply_step,
+                f,
+                tuple(saved[f"in_flight.{f}.pseudo_grad.{k}"].clone() for k in range(len(indices))),
+                tuple(saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"].clone() for k in range(len(indices))) if delay else (),
+                CollectiveHandle(deque()),  # completed before it was saved
+            ))
+        in_flight.sort(key=lambda item: item.apply_step)
+        return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight))
+
+    return OuterTransform(init, update, update_, state_dict, load_state_dict)

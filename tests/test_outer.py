@@ -1,0 +1,170 @@
+"""Outer optimization (DiLoCo) on the simulated backend against a float64
+brute-force loop written from the definition; its special cases; buffers."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import puredist
+from puredist.outer import split_fragments
+
+
+def sgd_step(param, grad, buf, lr, momentum, nesterov):
+    """torch.optim.SGD's update, by hand (dampening 0)."""
+    if momentum:
+        buf = grad.clone() if buf is None else momentum * buf + grad
+        grad = grad + momentum * buf if nesterov else buf
+    return param - lr * grad, buf
+
+
+def brute_force(initial, drifts, *, lr, momentum, nesterov, sync_every, warmup, delay, fragments, lower):
+    """Replicas on the leading axis; everything recomputed from the definition."""
+    leaves = [t.clone() for t in initial]
+    glob = [t[0].clone() for t in initial]  # the ranks start equal
+    bufs = [None] * len(leaves)
+    parts = split_fragments([t[0].numel() for t in initial], fragments)
+    offsets = [f * sync_every // fragments for f in range(fragments)]
+    pending = {}
+    for k, drift in enumerate(drifts):
+        leaves = [l + d for l, d in zip(leaves, drift)]
+        due = [f for f in range(fragments) if k - warmup - offsets[f] >= 0 and (k - warmup - offsets[f]) % sync_every == 0]
+        for f in due:
+            pending[k + delay] = (f, [(glob[i] - leaves[i]).mean(0) for i in parts[f]], [leaves[i].clone() for i in parts[f]])
+        if k in pending:
+            f, pseudo, snapshot = pending.pop(k)
+            for j, i in enumerate(parts[f]):
+                glob[i], bufs[i] = sgd_step(glob[i], pseudo[j], bufs[i], lr, momentum, nesterov)
+                leaves[i] = glob[i].expand_as(leaves[i]) + (leaves[i] - snapshot[j]) if delay else glob[i].expand_as(leaves[i]).clone()
+        if not due and lower:
+            levels = [p for p in lower if k >= warmup and k % p == 0]
+            if levels:
+                g = lower[max(levels)]
+                leaves = [l.unflatten(0, (-1, g)).mean(1, keepdim=True).expand(-1, g, *l.shape[1:]).flatten(0, 1) for l in leaves]
+    return leaves
+
+
+@st.composite
+def configs(draw):
+    replicas = draw(st.sampled_from([1, 2, 4]))
+    sync_every = draw(st.integers(1, 5))
+    momentum = draw(st.sampled_from([0.0, 0.9]))
+    return dict(
+        replicas=replicas,
+        lr=draw(st.sampled_from([1.0, 0.7])),
+        momentum=momentum,
+        nesterov=momentum > 0 and draw(st.booleans()),
+        sync_every=sync_every,
+        warmup=draw(st.integers(0, 4)),
+        delay=draw(st.integers(0, sync_every - 1)),
+        fragments=draw(st.integers(1, min(sync_every, 3))),
+        lower={2: 2} if replicas == 4 and draw(st.booleans()) else None,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(configs())
+def test_matches_a_brute_force_loop(config):
+    gen = torch.Generator().manual_seed(config["seed"])
+    r = config["replicas"]
+    initial = [torch.randn(1, *shape, generator=gen, dtype=torch.float64).repeat(r, *[1] * len(shape)) for shape in [(3,), (2, 2), (5,)]]
+    drifts = [[torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in initial] for _ in range(14)]
+    transform = puredist.outer_optimizer(
+        puredist.sgd(lr=config["lr"], momentum=config["momentum"], nesterov=config["nesterov"]),
+        sync_every=config["sync_every"], warmup_steps=config["warmup"], delay=config["delay"],
+        fragments=config["fragments"], lower_levels=config["lower"],
+    )
+    params = [t.clone() for t in initial]
+    state = transform.init(params)
+    collective = puredist.SimulatedCollective(r)
+    for drift in drifts:
+        for p, d in zip(params, drift):
+            p.add_(d)
+        state = transform.update_(params, state, collective=collective)
+    expected = brute_force(initial, drifts, **{k: v for k, v in config.items() if k not in ("replicas", "seed")})
+    for ours, theirs in zip(params, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+@given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 2**16))
+def test_outer_sgd_with_lr_one_is_exactly_periodic_averaging(sync_every, warmup, seed):
+    gen = torch.Generator().manual_seed(seed)
+    start = (torch.randint(-64, 64, (1, 6), generator=gen).double() / 8).repeat(4, 1)  # dyadic: exact arithmetic
+    outer_params, averaged = [start.clone()], [start.clone()]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=sync_every, warmup_steps=warmup)
+    averager = puredist.periodic_averager(max(sync_every, 2), warmup) if sync_every > 1 else None
+    if averager is None:
+        return  # period 1: torch's averager warns; nothing new to compare
+    outer_state, average_state = transform.init(outer_params), averager.init(averaged)
+    collective = puredist.SimulatedCollective(4)
+    for _ in range(12):
+        drift = torch.randint(-8, 8, (4, 6), generator=gen).double() / 4
+        outer_params[0].add_(drift)
+        averaged[0].add_(drift)
+        outer_state = transform.update_(outer_params, outer_state, collective=collective)
+        average_state = averager.update_(averaged, average_state, collective=collective)
+        assert torch.equal(outer_params[0], averaged[0])
+
+
+@given(st.integers(0, 2**16))
+def test_delay_zero_is_the_synchronous_update_and_pure_update_leaves_inputs_alone(seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(1, 4, generator=gen).repeat(2, 1)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2, delay=0)
+    state = transform.init(params)
+    collective = puredist.SimulatedCollective(2)
+    for _ in range(5):
+        params = [params[0] + torch.randn(2, 4, generator=gen)]
+        kept = params[0].clone()
+        new_params, new_state = transform.update(params, state, collective=collective)
+        assert torch.equal(params[0], kept) and new_state.step == state.step + 1
+        if state.step % 2 == 0:  # synchronized: every rank holds the new global parameters
+            assert torch.equal(new_params[0], new_state.global_params[0].expand_as(new_params[0]))
+        params, state = new_params, new_state
+
+
+def test_bf16_pseudo_gradients_and_a_cpu_global_copy():
+    params = [torch.randn(1, 64).repeat(4, 1)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=1, comm_dtype=torch.bfloat16, global_device="cpu")
+    state = transform.init(params)
+    drift = torch.randn(4, 64)
+    params[0].add_(drift)
+    start = state.global_params[0].clone()
+    state = transform.update_(params, state, collective=puredist.SimulatedCollective(4))
+    assert state.global_params[0].dtype == torch.float32  # the outer step runs in the parameter dtype
+    exact = start - (start - (start + drift)).mean(0)
+    # the pseudo-gradient went through bf16: off by at most bf16's resolution of it
+    torch.testing.assert_close(state.global_params[0], exact, rtol=0, atol=2**-7 * drift.abs().max().item())
+    assert not torch.equal(state.global_params[0], exact)
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=20), st.integers(1, 6))
+def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
+    count = min(count, len(sizes))
+    parts = split_fragments(sizes, count)
+    assert len(parts) == count and all(parts)
+    assert [i for part in parts for i in part] == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(sync_every=0), "period.*positive"),
+        (dict(sync_every=4, delay=4), "delay.*\\[0, 3\\].*got 4"),
+        (dict(sync_every=4, fragments=5), "fragments.*\\[1, 4\\].*got 5"),
+        (dict(sync_every=4, lower_levels={4: 2, 2: 2}), "strictly increasing"),
+    ],
+)
+def test_bad_options_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        puredist.outer_optimizer(puredist.sgd(lr=1.0), **options)
+
+
+def test_buffers_are_averaged_only_when_asked_and_integers_never_as_floats():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    assert set(puredist.averaged_tensors(model)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    with_buffers = puredist.averaged_tensors(model, buffers=True)
+    assert {"1.running_mean", "1.running_var"} <= set(with_buffers) and "1.num_batches_tracked" not in with_buffers
+    assert with_buffers["1.running_mean"] is model[1].running_mean  # averaging it updates the module
+    with pytest.raises(ValueError, match="num_batches_tracked.*int64"):
+        puredist.averaged_tensors(model, buffers=True, integer_buffers="error")
