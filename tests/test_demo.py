@@ -29,11 +29,11 @@ def tiny_run(tmp_path_factory):
 def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
     done, out = tiny_run
     assert done.returncode == 0, done.stderr
-    for algorithm in ("ddp", "periodic", "hierarchical", "zero"):
+    for algorithm in ("ddp", "periodic", "hierarchical", "zero", "diloco"):
         assert f"  {algorithm}" in done.stdout
     assert (out / "demo.png").stat().st_size > 10_000
     summary = json.loads((out / "results.json").read_text())
-    assert list(summary) == ["ddp", "periodic", "hierarchical", "zero"]
+    assert list(summary) == ["ddp", "periodic", "hierarchical", "zero", "diloco"]
     for row in summary.values():
         assert row["final_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
         assert len(row["losses"]) == 40 and row["losses"][-1] < row["losses"][0]
@@ -48,6 +48,8 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     assert summary["periodic"]["bytes_sent"] < 0.3 * summary["ddp"]["bytes_sent"]
     # ZeRO adds the owners' broadcasts to DDP's all-reduce
     assert summary["zero"]["bytes_sent"] > summary["ddp"]["bytes_sent"]
+    # DiLoCo syncs as often as periodic averaging, with bf16 pseudo-gradients: about half
+    assert 0.4 < summary["diloco"]["bytes_sent"] / summary["periodic"]["bytes_sent"] < 0.7
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,101 @@
+"""Outer optimization on real Gloo ranks: equal to the simulated backend fed with
+the same per-rank data, and restarts (torch.save of state_dict, and
+torch.distributed.checkpoint) that continue the uninterrupted trajectory."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import puredist
+from workers import run_workers
+
+STEPS = 12
+
+
+def make_transform(comm_dtype=None):
+    return puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True),
+        sync_every=4, warmup_steps=1, delay=2, fragments=2, comm_dtype=comm_dtype,
+    )
+
+
+def initial_params():
+    gen = torch.Generator().manual_seed(0)  # the same on every rank
+    return [torch.randn(3, 4, generator=gen), torch.randn(7, generator=gen), torch.randn(2, generator=gen)]
+
+
+def drift(rank, step, params):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def _real_equals_simulated(rank, world_size, comm_dtype, exact):
+    transform = make_transform(comm_dtype)
+    real = initial_params()
+    simulated = [p.unsqueeze(0).repeat(world_size, *[1] * p.dim()) for p in initial_params()]
+    real_state, simulated_state = transform.init(real), transform.init(simulated)
+    collective, simulation = puredist.DistributedCollective(), puredist.SimulatedCollective(world_size)
+    for step in range(STEPS):
+        for p, d in zip(real, drift(rank, step, real)):
+            p.add_(d)
+        per_rank = [drift(r, step, real) for r in range(world_size)]
+        for i, p in enumerate(simulated):
+            p.add_(torch.stack([d[i] for d in per_rank]))
+        real_state = transform.update_(real, real_state, collective=collective)
+        simulated_state = transform.update_(simulated, simulated_state, collective=simulation)
+        for a, b in zip(real, simulated):
+            torch.testing.assert_close(a, b[rank], rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    return real
+
+
+@pytest.mark.parametrize("world_size, comm_dtype, exact", [(2, torch.bfloat16, True), (4, None, False)])
+def test_real_ranks_equal_the_simulation(world_size, comm_dtype, exact):
+    finals = run_workers(_real_equals_simulated, world_size, comm_dtype, exact)
+    assert not torch.equal(finals[0][0], finals[1][0])  # local steps after the last sync differ
+
+
+def train(transform, params, state, rank, steps):
+    collective = puredist.DistributedCollective()
+    for step in steps:
+        for p, d in zip(params, drift(rank, step, params)):
+            p.add_(d)
+        state = transform.update_(params, state, collective=collective)
+    return state
+
+
+def _resume(rank, world_size, how, folder):
+    transform = make_transform(torch.bfloat16)
+    uninterrupted = initial_params()
+    train(transform, uninterrupted, transform.init(uninterrupted), rank, range(STEPS))
+
+    params = initial_params()
+    state = train(transform, params, transform.init(params), rank, range(7))
+    assert state.in_flight  # a synchronization is under way at the checkpoint
+    saved = transform.state_dict(state, rank=rank)
+    saved.update({f"local.rank{rank}.{i}": p for i, p in enumerate(params)})
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+    else:
+        dcp.save(saved, checkpoint_id=folder)
+        fresh = initial_params()
+        loaded = transform.state_dict(transform.init(fresh), rank=rank)  # the template: same keys
+        loaded.update({f"local.rank{rank}.{i}": torch.zeros_like(p) for i, p in enumerate(fresh)})
+        dcp.load(loaded, checkpoint_id=folder)
+
+    resumed = [loaded[f"local.rank{rank}.{i}"].clone() for i in range(len(params))]
+    state = transform.load_state_dict(transform.init(resumed), loaded, rank=rank)
+    train(transform, resumed, state, rank, range(7, STEPS))
+    for a, b in zip(resumed, uninterrupted):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("how", ["torch.save", "dcp"])
+def test_a_restart_mid_synchronization_continues_the_same_trajectory(how, tmp_path):
+    assert run_workers(_resume, 2, how, str(tmp_path)) == [True, True]
