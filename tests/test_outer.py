@@ -25,22 +25,30 @@ def brute_force(initial, drifts, *, lr, momentum, nesterov, sync_every, warmup, 
     bufs = [None] * len(leaves)
     parts = split_fragments([t[0].numel() for t in initial], fragments)
     offsets = [f * sync_every // fragments for f in range(fragments)]
-    pending = {}
+    pending = {}  # apply step -> (fragment, first sync?, mean pseudo-gradient, snapshot)
     for k, drift in enumerate(drifts):
         leaves = [l + d for l, d in zip(leaves, drift)]
         due = [f for f in range(fragments) if k - warmup - offsets[f] >= 0 and (k - warmup - offsets[f]) % sync_every == 0]
         for f in due:
-            pending[k + delay] = (f, [(glob[i] - leaves[i]).mean(0) for i in parts[f]], [leaves[i].clone() for i in parts[f]])
+            first = k == warmup + offsets[f]
+            pending[k + delay] = (f, first, [(glob[i] - leaves[i]).mean(0) for i in parts[f]], [leaves[i].clone() for i in parts[f]])
         if k in pending:
-            f, pseudo, snapshot = pending.pop(k)
+            f, first, pseudo, snapshot = pending.pop(k)
             for j, i in enumerate(parts[f]):
-                glob[i], bufs[i] = sgd_step(glob[i], pseudo[j], bufs[i], lr, momentum, nesterov)
+                if first:  # establishes the synchronized point: plain averaging
+                    glob[i] = glob[i] - pseudo[j]
+                else:
+                    glob[i], bufs[i] = sgd_step(glob[i], pseudo[j], bufs[i], lr, momentum, nesterov)
                 leaves[i] = glob[i].expand_as(leaves[i]) + (leaves[i] - snapshot[j]) if delay else glob[i].expand_as(leaves[i]).clone()
-        if not due and lower:
-            levels = [p for p in lower if k >= warmup and k % p == 0]
-            if levels:
-                g = lower[max(levels)]
-                leaves = [l.unflatten(0, (-1, g)).mean(1, keepdim=True).expand(-1, g, *l.shape[1:]).flatten(0, 1) for l in leaves]
+        busy = set(due) | {f for f, *_ in pending.values()}
+        levels = [p for p in (lower or {}) if k >= warmup and k % p == 0]
+        if levels:
+            g = lower[max(levels)]
+            for f, part in enumerate(parts):
+                if f not in busy:
+                    for i in part:
+                        l = leaves[i]
+                        leaves[i] = l.unflatten(0, (-1, g)).mean(1, keepdim=True).expand(-1, g, *l.shape[1:]).flatten(0, 1)
     return leaves
 
 
@@ -138,12 +146,27 @@ def test_bf16_pseudo_gradients_and_a_cpu_global_copy():
     assert not torch.equal(state.global_params[0], exact)
 
 
+def test_a_synchronized_warm_up_is_not_taken_as_one_outer_step():
+    # DDP-like warm-up: every rank takes the same steps, so the first sync has nothing to average
+    params = [torch.zeros(2, 3)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=10)
+    state = transform.init(params)
+    for _ in range(11):
+        params[0].add_(1.0)
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(2))
+    assert torch.equal(params[0], torch.full((2, 3), 11.0))  # not the 14.6 of an outer step on all of it
+    assert state.outer_state[0].momentum_buffer is None  # the outer optimizer has not stepped yet
+
+
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=20), st.integers(1, 6))
 def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
     count = min(count, len(sizes))
     parts = split_fragments(sizes, count)
     assert len(parts) == count and all(parts)
     assert [i for part in parts for i in part] == list(range(len(sizes)))
+    # about equal: a fragment exceeds its share by at most its last leaf
+    for part in parts[:-1]:
+        assert sum(sizes[i] for i in part[:-1]) <= sum(sizes) / count
 
 
 @pytest.mark.parametrize(
@@ -158,6 +181,12 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
 def test_bad_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         puredist.outer_optimizer(puredist.sgd(lr=1.0), **options)
+
+
+@pytest.mark.parametrize("comm_dtype", [torch.int32, "bf16"])
+def test_a_bad_comm_dtype_is_refused_when_the_transform_is_built(comm_dtype):
+    with pytest.raises(TypeError, match="comm_dtype"):
+        puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2, comm_dtype=comm_dtype)
 
 
 def test_buffers_are_averaged_only_when_asked_and_integers_never_as_floats():

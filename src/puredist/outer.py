@@ -21,14 +21,19 @@ Options (static, checked by :func:`outer_optimizer`):
   steps; the local progress made meanwhile is kept: ``local <- global_new + (local -
   local_at_k)``. With ``delay=0`` the update is synchronous: ``local <- global_new``.
 - ``lower_levels``: ``{period: group_size}`` — hierarchical averaging below the outer
-  step: at a step with no outer synchronization, the largest of these periods dividing
-  the step (after warm-up) averages the parameters within blocks of its group size
-  (plain averaging, no outer optimizer: the global copy and the outer state change only
-  at outer synchronizations, so they stay identical on every rank).
+  step: at step ``k`` (after warm-up) the largest of these periods dividing ``k``
+  averages, within blocks of its group size, the fragments that are neither starting a
+  synchronization at ``k`` nor have one in flight (plain averaging, no outer optimizer:
+  the global copy and the outer state change only at outer synchronizations, so they
+  stay identical on every rank; and an in-flight fragment's local progress stays its own).
 
 Schedule: fragment ``f`` synchronizes at step ``k`` iff ``k - warmup_steps - offset_f >=
 0`` and is a multiple of ``sync_every`` (torch's periodic rule for ``f = 0``). The global
-copy starts as the initial parameters.
+copy starts as the initial parameters, which must be the same on every rank (as DDP's
+initial broadcast makes them; ``init`` does not communicate). A fragment's *first*
+synchronization only establishes the synchronized point — plain averaging,
+``g <- g - mean(g - l) = mean(l)``, the outer state untouched — so that the progress of
+the warm-up is not taken as one outer step; the outer optimizer steps from the second on.
 
 The state, :class:`OuterState`, holds the step, the global copy, the outer optimizer's
 per-parameter states and the synchronizations in flight; :attr:`OuterTransform.state_dict`
@@ -124,7 +129,9 @@ def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], 
     return tuple(fragments)
 
 
-def _check_options(sync_every, warmup_steps, delay, fragments) -> None:
+def _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype) -> None:
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        raise TypeError(f"Arg ``comm_dtype`` must be a floating-point torch.dtype or None, got {comm_dtype!r}.")
     check_period(sync_every)
     check_warmup_steps(warmup_steps)
     for name, value, low, high in (("delay", delay, 0, sync_every - 1), ("fragments", fragments, 1, sync_every)):
@@ -161,7 +168,7 @@ def outer_optimizer(
             fragments than parameter leaves; at update, a lower-level group size the
             collective cannot average within.
     """
-    _check_options(sync_every, warmup_steps, delay, fragments)
+    _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype)
     lower = dict(lower_levels or {})
     lower_level = hierarchical_schedule(tuple(lower), warmup_steps) if lower else (lambda step: None)
     if lower:
@@ -213,13 +220,20 @@ def outer_optimizer(
         item.handle.wait()
         targets = [global_params[i] for i in indices]
         grads = [p.to(device=g.device, dtype=g.dtype) for p, g in zip(item.pseudo_grads, targets)]
-        stepped = outer.update_(targets, grads, tuple(outer_state[i] for i in indices))
         with torch.no_grad():
+            if item.apply_step - delay == warmup_steps + offsets[item.fragment]:
+                # the fragment's first synchronization only establishes the synchronized
+                # point: plain averaging, g - mean(g - l) = mean(l); the outer optimizer
+                # starts from there (else all of warm-up would be one outer step)
+                torch._foreach_sub_(targets, grads)
+            else:
+                stepped = outer.update_(targets, grads, tuple(outer_state[i] for i in indices))
+                for k, i in enumerate(indices):
+                    outer_state[i] = stepped[k]
             for k, i in enumerate(indices):
-                outer_state[i] = stepped[k]
                 local = leaves[i].detach()
                 if item.snapshot:  # keep the local progress made while the all-reduce ran
-                    local.sub_(item.snapshot[k]).add_(targets[k].to(local.device, local.dtype))
+                    local.sub_(item.snapshot[k].to(local.device)).add_(targets[k].to(local.device, local.dtype))
                 else:
                     local.copy_(targets[k])
 
@@ -237,9 +251,11 @@ def outer_optimizer(
                 apply(leaves, global_params, outer_state, item, fragment_leaves[item.fragment])
             else:
                 waiting.append(item)
-        level = lower_level(state.step) if not due else None
-        if level is not None:
-            collective.mean_(leaves, group_size=lower_sizes[level])
+        level = lower_level(state.step)
+        busy = set(due) | {item.fragment for item in waiting}
+        idle = [leaves[i] for f, indices in enumerate(fragment_leaves) if f not in busy for i in indices]
+        if level is not None and idle:
+            collective.mean_(idle, group_size=lower_sizes[level])
         return OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting))
 
     def update(params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
@@ -290,11 +306,14 @@ def outer_optimizer(
         global_params = tuple(
             saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True) for i, g in enumerate(state.global_params)
         )
+        def restored(i: int, field: str, template: torch.Tensor | None) -> torch.Tensor | None:
+            if not saved[f"outer.{i}.{field}.present"]:
+                return None
+            device = template.device if template is not None else global_params[i].device
+            return saved[f"outer.{i}.{field}"].to(device=device, copy=True)
+
         outer_state = tuple(
-            type(leaf_state)(**{
-                field: saved[f"outer.{i}.{field}"].clone() if saved[f"outer.{i}.{field}.present"] else None
-                for field in leaf_state._fields
-            })
+            type(leaf_state)(**{field: restored(i, field, value) for field, value in leaf_state._asdict().items()})
             for i, leaf_state in enumerate(state.outer_state)
         )
         in_flight = []
