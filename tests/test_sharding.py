@@ -1,11 +1,17 @@
 """ZeRO plans: a partition, deterministic, whole buckets kept whole, and balanced
 within the list-scheduling bound; GPT-2-small loads against torch's assignment."""
 
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from puredist.sharding import STRATEGIES, plan_zero, reverse_order_buckets
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_balance import gpt2_small_sizes  # noqa: E402 - the benchmark's model
 
 
 @st.composite
@@ -61,15 +67,6 @@ def test_reverse_order_buckets_match_torchs_own_bucket_assignment(numels, cap, f
     torch_buckets, _ = dist._compute_bucket_assignment_by_size(reversed_tensors, [first_cap, cap], [False] * len(numels))
     expected = [[len(numels) - 1 - k for k in bucket] for bucket in torch_buckets]
     assert reverse_order_buckets([4 * n for n in numels], cap, first_cap) == expected
-
-
-def gpt2_small_sizes():
-    """GPT-2 small (124M) parameter sizes in registration order."""
-    d, vocab, context, layers = 768, 50257, 1024, 12
-    sizes = [vocab * d, context * d]
-    for _ in range(layers):
-        sizes += [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]
-    return sizes + [d, d]
 
 
 @pytest.mark.parametrize("world_size, bound", [(2, 1.01), (4, 1.25), (8, 2.49)])
