@@ -256,8 +256,7 @@ class DistributedCollective:
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle(deque()) if async_op else None
         tensors = list(tensors)
-        if self.check_consistency:
-            check_same_tensors_on_all_ranks(tensors, group, _summary_device(group))
+        self._check_same(tensors, group, context="", what="one averaging all-reduce")
         divisor = None if dist.get_backend(group) == "nccl" else dist.get_world_size(group)
         op = dist.ReduceOp.SUM if divisor is not None else dist.ReduceOp.AVG
         return _run_bucketed(
@@ -274,10 +273,12 @@ class DistributedCollective:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
         unless all pass tensors of the same layouts and the same ``context`` (one
         small all-gather; skipped when ``check_consistency`` is off)."""
-        if self.check_consistency and self._is_member and self._world_size > 1:
-            check_same_tensors_on_all_ranks(
-                list(tensors), self.process_group, _summary_device(self.process_group), context=context, what=what
-            )
+        if self._is_member and self._world_size > 1:
+            self._check_same(list(tensors), self.process_group, context=context, what=what)
+
+    def _check_same(self, tensors: list[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str) -> None:
+        if self.check_consistency:
+            check_same_tensors_on_all_ranks(tensors, group, _summary_device(group), context=context, what=what)
 
     @property
     def rank(self) -> int:

@@ -23,7 +23,7 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -61,16 +61,8 @@ class AdamParamState(NamedTuple):
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer (see the module docstring).
+    """A functional optimizer (see the module docstring)."""
 
-    Attributes:
-        name: the matching ``torch.optim`` class name (``"SGD"``, ``"Adam"``,
-            ``"AdamW"``).
-        hyperparams: the hyper-parameters, keyed as in a ``torch.optim`` param group.
-    """
-
-    name: str
-    hyperparams: Mapping[str, Any]
     init: Callable[[PyTree], tuple]
     update: Callable[[PyTree, PyTree, tuple], tuple[PyTree, tuple]]
     update_: Callable[[PyTree, PyTree, tuple], tuple]
@@ -88,7 +80,7 @@ def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
 
-def _make_optimizer(name: str, hyperparams: dict, init_leaf: Callable, step: _Step) -> Optimizer:
+def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
     def init(params: PyTree) -> tuple:
         leaves, _ = tree_flatten(params)
         return tuple(init_leaf(p) for p in leaves)
@@ -116,7 +108,7 @@ def _make_optimizer(name: str, hyperparams: dict, init_leaf: Callable, step: _St
         new_state = update_(copies, spec.flatten_up_to(grads), tuple(_clone_state(s) for s in state))
         return tree_unflatten(spec, copies), new_state
 
-    return Optimizer(name, dict(hyperparams), init, update, update_)
+    return Optimizer(init, update, update_)
 
 
 def sgd(
@@ -140,8 +132,6 @@ def sgd(
         _check_nonnegative(name, value)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    hyperparams = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                       nesterov=nesterov, maximize=maximize, foreach=foreach)
 
     def step(params, grads, states):
         buffers = [s.momentum_buffer for s in states]
@@ -151,16 +141,14 @@ def sgd(
             return list(states)
         return [SGDParamState(b) for b in buffers]
 
-    return _make_optimizer("SGD", hyperparams, lambda p: SGDParamState(None), step)
+    return _make_optimizer(lambda p: SGDParamState(None), step)
 
 
-def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled: bool) -> Optimizer:
+def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled: bool) -> Optimizer:
     for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         _check_nonnegative(arg, value)
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
         raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
-    hyperparams = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                       amsgrad=amsgrad, maximize=maximize, foreach=foreach)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
@@ -180,7 +168,7 @@ def _adam_family(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, for
         )
         return list(states)
 
-    return _make_optimizer(name, hyperparams, init_leaf, step)
+    return _make_optimizer(init_leaf, step)
 
 
 def adam(
@@ -200,7 +188,7 @@ def adam(
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
     """
-    return _adam_family("Adam", lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled_weight_decay)
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled_weight_decay)
 
 
 def adamw(
@@ -218,7 +206,7 @@ def adamw(
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
     """
-    return _adam_family("AdamW", lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled=True)
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled=True)
 
 
 OPTIMIZERS: Mapping[type, Callable[..., Optimizer]] = {

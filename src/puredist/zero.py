@@ -115,15 +115,18 @@ def zero(optimizer: Optimizer) -> Zero:
             )
         return leaves, spec, grad_leaves
 
-    def update_subset_(params, grads, state: ZeroState, *, indices: Sequence[int], collective: DistributedCollective):
-        leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    def _step_and_broadcast(leaves, grad_leaves, state: ZeroState, indices, collective: DistributedCollective):
         state = _step_owned(leaves, grad_leaves, state, indices, collective.rank)
         return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
 
+    def update_subset_(params, grads, state: ZeroState, *, indices: Sequence[int], collective: DistributedCollective):
+        leaves, _, grad_leaves = _checked(params, grads, state, collective)
+        return _step_and_broadcast(leaves, grad_leaves, state, indices, collective)
+
     def update_(params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
-        leaves, _, _ = _checked(params, grads, state, collective)
+        leaves, _, grad_leaves = _checked(params, grads, state, collective)
         collective.check_same_on_all_ranks(leaves, context=state.plan.digest(), what="one ZeRO step")
-        state, handle = update_subset_(params, grads, state, indices=range(len(leaves)), collective=collective)
+        state, handle = _step_and_broadcast(leaves, grad_leaves, state, range(len(leaves)), collective)
         handle.wait()
         return end_iteration(state)
 
