@@ -1,4 +1,5 @@
-"""The bucket plan: a partition of the tensors, bounded, one device and dtype each."""
+"""The bucket plan: every element in exactly one piece, buckets bounded, one device
+and dtype each, pieces of a tensor in order (so progress is a leading range)."""
 
 import torch
 from hypothesis import given
@@ -11,7 +12,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
 @st.composite
 def tensor_lists(draw):
-    specs = draw(st.lists(st.tuples(st.integers(1, 64), st.sampled_from(DTYPES), st.booleans()), max_size=12))
+    specs = draw(st.lists(st.tuples(st.integers(0, 64), st.sampled_from(DTYPES), st.booleans()), max_size=12))
     tensors = []
     for numel, dtype, contiguous in specs:
         t = torch.zeros(2 * numel, dtype=dtype)
@@ -20,30 +21,42 @@ def tensor_lists(draw):
 
 
 @given(tensors=tensor_lists(), bucket_bytes=st.integers(1, 300))
-def test_plan_is_a_bounded_partition_by_dtype(tensors, bucket_bytes):
+def test_plan_covers_every_element_once_in_bounded_buckets_of_one_dtype(tensors, bucket_bytes):
     buckets = plan_buckets(tensors, bucket_bytes)
-    flat = [i for b in buckets for i in b.indices]
-    assert sorted(flat) == list(range(len(tensors)))  # every tensor exactly once
+    covered = {i: [] for i in range(len(tensors))}
     for bucket in buckets:
-        members = [tensors[i] for i in bucket.indices]
+        members = [tensors[p.index] for p in bucket.pieces]
         assert len({(t.device, t.dtype) for t in members}) == 1  # no promotion
-        assert list(bucket.indices) == sorted(bucket.indices)  # order kept
-        sizes = [t.numel() * t.element_size() for t in members]
-        if bucket.staged:
-            assert bucket.nbytes == sum(sizes)
-            assert sum(sizes) <= bucket_bytes or len(members) == 1
-        else:
-            assert len(members) == 1 and members[0].is_contiguous() and bucket.nbytes == 0
+        size = members[0].element_size()
+        assert bucket.nbytes == sum((p.stop - p.start) * size for p in bucket.pieces)
+        # bounded, except one element or one whole non-contiguous tensor alone
+        alone = len(bucket.pieces) == 1 and (bucket.pieces[0].stop - bucket.pieces[0].start == 1 or not members[0].is_contiguous())
+        assert bucket.nbytes <= bucket_bytes or alone
+        for piece in bucket.pieces:
+            covered[piece.index].append((piece.start, piece.stop))
+    for index, ranges in covered.items():
+        tensor = tensors[index]
+        # pieces of one tensor tile [0, numel) in issue order: progress is a leading range
+        expected_start = 0
+        for start, stop in ranges:
+            assert start == expected_start and stop > start or tensor.numel() == 0
+            expected_start = stop
+        assert expected_start == tensor.numel()
+        if not tensor.is_contiguous():
+            assert len(ranges) <= 1  # never cut
 
 
-def test_large_contiguous_tensors_are_reduced_in_place_and_small_ones_packed():
-    big, small_a, small_b = torch.zeros(1000), torch.zeros(10), torch.zeros(10)
-    buckets = plan_buckets([small_a, big, small_b], bucket_bytes=400)
-    assert [(b.indices, b.staged) for b in buckets] == [((1,), False), ((0, 2), True)]
+def test_a_large_tensor_is_cut_and_small_ones_fill_the_buckets():
+    big, small_a, small_b = torch.zeros(250), torch.zeros(10), torch.zeros(10)
+    buckets = plan_buckets([small_a, big, small_b], bucket_bytes=400)  # 100 floats a bucket
+    assert [[tuple(p) for p in b.pieces] for b in buckets] == [
+        [(0, 0, 10), (1, 0, 90)],
+        [(1, 90, 190)],
+        [(1, 190, 250), (2, 0, 10)],
+    ]
 
 
-def test_tensors_of_a_mebibyte_are_never_copied_even_when_a_bucket_would_hold_them():
-    mib_tensor = torch.zeros(2**18)  # 1 MiB of fp32
-    strided = torch.zeros(2**19)[::2]  # 1 MiB too, but not contiguous
-    buckets = plan_buckets([torch.zeros(4), mib_tensor, strided], bucket_bytes=2**24)
-    assert [(b.indices, b.staged) for b in buckets] == [((1,), False), ((0, 2), True)]
+def test_dtypes_get_buckets_of_their_own_in_order_of_appearance():
+    f32, bf16, f32b = torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3)
+    buckets = plan_buckets([f32, bf16, f32b], bucket_bytes=1000)
+    assert [[p.index for p in b.pieces] for b in buckets] == [[0, 2], [1]]

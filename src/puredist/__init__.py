@@ -14,6 +14,7 @@ from puredist.averaging import (
 )
 from puredist.collectives import (
     DEFAULT_BUCKET_CAP_BYTES,
+    CollectiveError,
     CollectiveHandle,
     Collective,
     DistributedCollective,
@@ -28,6 +29,7 @@ from puredist.zero import Zero, ZeroState, zero
 __all__ = [
     "Averager",
     "AveragerState",
+    "CollectiveError",
     "CollectiveHandle",
     "Collective",
     "DEFAULT_BUCKET_CAP_BYTES",

@@ -1,14 +1,18 @@
-"""The bucket plan of one all-reduce: a pure function of the tensors' metadata.
+"""The bucket plan of one collective: a pure function of the tensors' metadata.
 
 Tensors are grouped by ``(device, dtype)`` in order of first appearance (so nothing is
-ever promoted: a bf16 tensor is reduced as bf16), and each group is cut, in order,
-into buckets of at most ``bucket_bytes``. A contiguous tensor of at least
-``IN_PLACE_MIN_BYTES`` (or of ``bucket_bytes``) is reduced alone in its own storage,
-with no copy: past that size one more all-reduce call costs less than copying the
-tensor in and out of a staging buffer (on 2 Gloo ranks a call costs ~0.3 ms, a copy
-~0.1 ms per MiB each way). Smaller tensors are *staged*: packed into one flat buffer,
-reduced, and copied back. A non-contiguous tensor larger than ``bucket_bytes`` is
-staged alone.
+ever promoted: a bf16 tensor is reduced as bf16), and each group's elements are
+streamed, in order, into buckets of at most ``bucket_bytes``. Every bucket is
+*staged*: its pieces are copied into one flat buffer, the buffer is reduced, and the
+result is copied back only once its collective has succeeded — so a tensor never
+holds a partial sum, whatever fails.
+
+A contiguous tensor may be cut between buckets: a bucket holds *pieces*, flat element
+ranges ``[start, stop)`` of a tensor. A non-contiguous tensor is never cut (a bucket
+holds it whole; one larger than ``bucket_bytes`` gets a bucket of its own size).
+Pieces of one tensor come in increasing order and buckets complete in order, so after
+``k`` buckets every tensor holds its result in a leading range of its elements and its
+old values after it.
 
 The plan depends only on the tensors' devices, dtypes, sizes and contiguity; the
 collective checks those are equal on every rank before it reduces (unless told not
@@ -21,45 +25,38 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-IN_PLACE_MIN_BYTES = 2**20
-"""Contiguous tensors from this size up are all-reduced in place, never copied."""
+
+class Piece(NamedTuple):
+    """Elements ``[start, stop)`` (flat, row-major) of the tensor at ``index``."""
+
+    index: int
+    start: int
+    stop: int
 
 
 class Bucket(NamedTuple):
-    """One all-reduce.
+    """One collective call over a staging buffer.
 
     Attributes:
-        indices: positions, in the reduced tensor list, of the tensors it holds.
-        staged: whether they are packed into a staging buffer (``False``: the single
-            tensor is reduced in its own storage).
-        nbytes: bytes of staging memory it needs (0 when not staged).
+        pieces: what the buffer holds, in buffer order.
+        nbytes: the buffer's size.
     """
 
-    indices: tuple[int, ...]
-    staged: bool
+    pieces: tuple[Piece, ...]
     nbytes: int
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _close(tensors: Sequence[torch.Tensor], indices: list[int]) -> Bucket:
-    if len(indices) == 1 and tensors[indices[0]].is_contiguous():
-        return Bucket(tuple(indices), staged=False, nbytes=0)
-    return Bucket(tuple(indices), staged=True, nbytes=sum(_nbytes(tensors[i]) for i in indices))
-
-
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Bucket]:
-    """Cut ``tensors`` into buckets of at most ``bucket_bytes`` of one device and dtype.
+    """Stream ``tensors`` into buckets of at most ``bucket_bytes`` of one device and dtype.
 
     Args:
         tensors: the tensors to reduce, in the (rank-consistent) order given.
-        bucket_bytes: the staging size of one bucket, ``>= 1``.
+        bucket_bytes: the staging size of one bucket, ``>= 1`` (a bucket holds at least
+            one element, and a non-contiguous tensor whole).
 
     Returns:
-        The buckets, in the order their all-reduces are issued; every index of
-        ``tensors`` appears in exactly one bucket.
+        The buckets, in the order their collectives are issued; every element of every
+        tensor lies in exactly one piece.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -67,18 +64,33 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Buc
 
     buckets: list[Bucket] = []
     for indices in groups.values():
-        current: list[int] = []
-        current_bytes = 0
+        pieces: list[Piece] = []
+        used = 0
+
+        def close() -> None:
+            nonlocal pieces, used
+            if pieces:
+                buckets.append(Bucket(tuple(pieces), used))
+            pieces, used = [], 0
+
         for index in indices:
-            nbytes = _nbytes(tensors[index])
-            if nbytes >= bucket_bytes or (nbytes >= IN_PLACE_MIN_BYTES and tensors[index].is_contiguous()):
-                buckets.append(_close(tensors, [index]))
+            tensor = tensors[index]
+            numel, size = tensor.numel(), tensor.element_size()
+            if not tensor.is_contiguous():
+                if used + numel * size > bucket_bytes:
+                    close()
+                pieces.append(Piece(index, 0, numel))
+                used += numel * size
                 continue
-            if current and current_bytes + nbytes > bucket_bytes:
-                buckets.append(_close(tensors, current))
-                current, current_bytes = [], 0
-            current.append(index)
-            current_bytes += nbytes
-        if current:
-            buckets.append(_close(tensors, current))
+            start = 0
+            while start < numel:
+                room = (bucket_bytes - used) // size
+                if room <= 0 and pieces:
+                    close()
+                    continue
+                stop = min(numel, start + max(room, 1))
+                pieces.append(Piece(index, start, stop))
+                used += (stop - start) * size
+                start = stop
+        close()
     return buckets

@@ -2,10 +2,13 @@
 
 torch's ``get_params_to_average`` keeps parameters whose ``.grad`` is set, which is a
 rank-local fact: two ranks may then pass lists of different lengths or shapes to one
-all-reduce, which hangs or averages unrelated values. Before reducing, every rank
-contributes a 3-number summary of its list (count, total elements, digest of the
-devices, dtypes, shapes and contiguity) to one small ``all_gather``; every rank sees every
-summary, so either all ranks proceed or all raise the same error.
+all-reduce, which hangs or averages unrelated values. Ranks running different
+schedules (another period, warm-up, an extra ``update_`` call) would pair one step's
+collectives with another's. Before reducing, every rank contributes a 4-number
+summary — count, total elements, a digest of the devices, dtypes, shapes and
+contiguity, and a digest of the caller's *context* (its schedule's configuration and
+step) — to one small ``all_gather``; every rank sees every summary, so either all
+ranks proceed or all raise the same error, which shows each rank's context.
 """
 
 from __future__ import annotations
@@ -21,18 +24,21 @@ class RankMismatchError(RuntimeError):
     """Ranks of one process group passed different tensor lists to one collective."""
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 def _signature(tensors: Sequence[torch.Tensor], context: str) -> torch.Tensor:
     # everything the bucket plan depends on: a difference would desynchronize the collectives
-    text = context + "|" + ";".join(
-        f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}" for t in tensors
+    layout = ";".join(f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}" for t in tensors)
+    return torch.tensor(
+        [len(tensors), sum(t.numel() for t in tensors), _digest(layout), _digest(context)], dtype=torch.int64
     )
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-    return torch.tensor([len(tensors), sum(t.numel() for t in tensors), digest], dtype=torch.int64)
 
 
-def _describe(rank: int, summary: list[int]) -> str:
-    count, numel, digest = summary
-    return f"rank {rank}: {count} tensors, {numel} elements, layout digest {digest & 0xFFFFFFFF:08x}"
+def _describe(rank: int, summary: list[int], context: str) -> str:
+    count, numel, layout, _ = summary
+    return f"rank {rank}: {count} tensors, {numel} elements, layout digest {layout & 0xFFFFFFFF:08x}, context {context!r}"
 
 
 def check_same_tensors_on_all_ranks(
@@ -44,14 +50,16 @@ def check_same_tensors_on_all_ranks(
     what: str = "one averaging all-reduce",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks of ``group``
-    hold tensors of the same count, device types, dtypes, shapes and contiguity, in order, and
-    the same ``context`` string.
+    hold tensors of the same count, device types, dtypes, shapes and contiguity, in
+    order, and the same ``context`` string. On a mismatch every rank also gathers the
+    others' contexts (one more small collective, on every rank alike) for the message.
 
     Args:
         tensors: this rank's tensors.
         group: the process group about to use them (this rank is a member).
         device: where the backend wants the summary tensor (CPU for Gloo).
-        context: more that must agree (e.g. a ZeRO plan's digest); part of the digest.
+        context: more that must agree (the schedule's configuration and step, a ZeRO
+            plan's digest).
         what: the operation, for the message.
 
     Raises:
@@ -62,10 +70,14 @@ def check_same_tensors_on_all_ranks(
     dist.all_gather(gathered, local, group=group)
     summaries = [t.tolist() for t in gathered]
     if any(summary != summaries[0] for summary in summaries):
+        contexts: list[object] = [None] * len(summaries)
+        dist.all_gather_object(contexts, context, group=group)
         ranks = dist.get_process_group_ranks(group)
-        lines = "\n  ".join(_describe(rank, s) for rank, s in zip(ranks, summaries))
-        raise RankMismatchError(
-            f"Ranks passed different tensors (or plans) to {what} (a parameter without "
-            ".grad on some ranks only is the usual cause); nothing was changed. "
-            f"Per rank:\n  {lines}"
+        lines = "\n  ".join(_describe(rank, s, c) for rank, s, c in zip(ranks, summaries, contexts))
+        layouts_differ = any(s[:3] != summaries[0][:3] for s in summaries)
+        cause = (
+            "ranks passed different tensors (a parameter without .grad on some ranks only is the usual cause)"
+            if layouts_differ
+            else "ranks are at different steps or run different schedules (configuration or step differ)"
         )
+        raise RankMismatchError(f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}")

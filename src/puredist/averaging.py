@@ -24,6 +24,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import torch
 
+from puredist._inputs import checked_for_reduction
 from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist._validation import (
     check_hierarchy_group_sizes,
@@ -54,18 +55,10 @@ class Averager(NamedTuple):
 
 
 def _float_leaves(params: PyTree) -> tuple[list[torch.Tensor], object]:
+    """The leaves of ``params`` and its spec, checked to be averageable (every step,
+    averaging or not, so bad input is found at once)."""
     leaves, spec = tree_flatten(params)
-    for index, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"Arg ``params`` must be a pytree of tensors; leaf {index} is "
-                f"{type(leaf).__name__}: {leaf!r}."
-            )
-        if not leaf.is_floating_point():
-            raise TypeError(
-                f"Arg ``params`` must hold floating-point tensors; leaf {index} has dtype "
-                f"{leaf.dtype} (averaging integers is not defined)."
-            )
+    checked_for_reduction(leaves, arg="params", noun="leaf")
     return leaves, spec
 
 
@@ -93,9 +86,12 @@ def average_(
         ``None``, or an :class:`~puredist.collectives.CollectiveHandle`.
 
     Raises:
-        TypeError: a leaf is not a floating-point tensor (nothing is touched).
-        ValueError: ``group_size`` is not supported by ``collective``.
+        TypeError: a leaf is not a floating-point or complex tensor (nothing is touched).
+        ValueError: a sparse or meta leaf, leaves sharing memory, or a ``group_size``
+            the collective does not support (nothing is touched).
         RankMismatchError: ranks passed different layouts (on every rank).
+        CollectiveError: an all-reduce failed; every element holds its old value or
+            its mean, as the error details.
     """
     leaves, _ = _float_leaves(params)
     return collective.mean_(leaves, group_size=group_size, async_op=async_op)
@@ -111,9 +107,9 @@ def average(params: PyTree, *, collective: Collective, group_size: int | None = 
     return _averaged_copy(leaves, spec, collective, group_size)
 
 
-def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None) -> PyTree:
+def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None, context: str = "") -> PyTree:
     copies = clone_leaves(leaves)
-    collective.mean_(copies, group_size=group_size)
+    collective.mean_(copies, group_size=group_size, context=context)
     return tree_unflatten(spec, copies)
 
 
@@ -154,9 +150,11 @@ _Decision = tuple[bool, "int | None"]
 
 
 def _scheduled_averager(
-    decide: Callable[[int], _Decision], check_collective: Callable[[Collective], None]
+    decide: Callable[[int], _Decision], check_collective: Callable[[Collective], None], schedule: str
 ) -> Averager:
-    """Build an :class:`Averager` from ``decide(step) -> (due, group_size)``."""
+    """Build an :class:`Averager` from ``decide(step) -> (due, group_size)``;
+    ``schedule`` describes its configuration for the rank check (with the step, it
+    must be equal on every rank at every averaging)."""
 
     def init(params: PyTree = None) -> AveragerState:
         del params  # the state holds no tensors
@@ -167,7 +165,7 @@ def _scheduled_averager(
         check_collective(collective)
         due, group_size = decide(state.step)
         if due:
-            params = _averaged_copy(leaves, spec, collective, group_size)
+            params = _averaged_copy(leaves, spec, collective, group_size, context=f"{schedule} step {state.step}")
         return params, AveragerState(step=state.step + 1)
 
     def update_(params: PyTree, state: AveragerState, *, collective: Collective) -> AveragerState:
@@ -175,7 +173,7 @@ def _scheduled_averager(
         check_collective(collective)
         due, group_size = decide(state.step)
         if due:
-            collective.mean_(leaves, group_size=group_size)
+            collective.mean_(leaves, group_size=group_size, context=f"{schedule} step {state.step}")
         return AveragerState(step=state.step + 1)
 
     return Averager(init, update, update_)
@@ -195,7 +193,11 @@ def periodic_averager(period: int, warmup_steps: int = 0) -> Averager:
     """
     averages = periodic_schedule(period, warmup_steps)
     warn_if_period_is_one(period, stacklevel=2)
-    return _scheduled_averager(lambda step: (averages(step), None), lambda collective: None)
+    return _scheduled_averager(
+        lambda step: (averages(step), None),
+        lambda collective: None,
+        f"periodic_averager(period={period}, warmup_steps={warmup_steps})",
+    )
 
 
 def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: int = 0) -> Averager:
@@ -237,4 +239,6 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
                 "with DistributedCollective.with_subgroups)."
             )
 
-    return _scheduled_averager(decide, check_collective)
+    return _scheduled_averager(
+        decide, check_collective, f"hierarchical_averager({dict(period_group_sizes)}, warmup_steps={warmup_steps})"
+    )

@@ -3,10 +3,12 @@
 Two backends implement the same small protocol, :class:`Collective`:
 
 - :class:`DistributedCollective`: real ranks over ``torch.distributed`` process
-  groups (Gloo, NCCL, ...). It averages in place in the tensors' own storage
-  (``data_ptr()`` never changes), in bounded buckets of one device and dtype (no
-  promotion), as SUM followed by one division (NCCL: its native ``AVG``), with no
-  device synchronization, after checking that every rank passes the same tensors.
+  groups (Gloo, NCCL, ...). It writes the mean into the tensors' own storage
+  (``data_ptr()`` never changes), reducing bounded staging buckets of one device and
+  dtype (no promotion), with no device synchronization, after checking that every
+  rank passes the same tensors and the same context (schedule and step). A tensor
+  is written only once its bucket's all-reduce has succeeded, so a failure leaves
+  every element at its old value or its mean (:class:`CollectiveError` says which).
 - :class:`SimulatedCollective`: ``R`` ranks in one process. Every tensor carries a
   leading replica axis ``[R, *shape]``; the mean is taken within contiguous groups
   of replicas, exactly as ``dist.new_subgroups`` groups ranks. It is what
@@ -16,19 +18,36 @@ Two backends implement the same small protocol, :class:`Collective`:
 In both, ``group_size`` selects the level: ``None`` (or the full size) averages
 over the whole group; a smaller ``g`` averages within each block of ``g``
 consecutive ranks.
+
+The mean is a sum and one division by the group size ``n``, in the tensor's dtype.
+For dtypes whose range is narrower than fp32's (fp16) each value is divided *before*
+the sum, so the mean never overflows when it is representable (fp16 40000 and 30000
+average to 35008, not inf), as torch's ``average_parameters`` does; other dtypes are
+divided after the sum (over NCCL, its native ``AVG``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
 from typing import Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from puredist._buckets import Bucket, plan_buckets
-from puredist._consistency import check_same_tensors_on_all_ranks
+from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
+from puredist._inputs import checked_for_reduction
+from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, run_staged
 from puredist._validation import check_bucket_cap_bytes
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_BYTES",
+    "Collective",
+    "CollectiveError",
+    "CollectiveHandle",
+    "DistributedCollective",
+    "SimulatedCollective",
+    "divides_first",
+]
 
 DEFAULT_BUCKET_CAP_BYTES = 32 * 2**20
 """Staging memory one averaging may use beyond the parameters: 32 MiB."""
@@ -59,94 +78,24 @@ class Collective(Protocol):
         *,
         group_size: int | None = None,
         async_op: bool = False,
+        context: str = "",
     ) -> "CollectiveHandle | None":
         """Replace each tensor, in place, by its mean over the group of ``group_size``
-        ranks this rank belongs to; with ``async_op`` return a handle to wait on."""
+        ranks this rank belongs to; with ``async_op`` return a handle to wait on.
+        ``context`` (e.g. the schedule and step) must be equal on every rank."""
+        ...
+
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+        """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
+        holds the same values in ``tensors``."""
         ...
 
 
-class CollectiveHandle:
-    """Collectives still in flight; :meth:`wait` completes them, in issue order.
-
-    The tensors must not be read or written until :meth:`wait` returns.
-    """
-
-    def __init__(self, pending: "deque[_InFlight]") -> None:
-        self._pending = pending
-
-    @classmethod
-    def merged(cls, handles: Sequence["CollectiveHandle"]) -> "CollectiveHandle":
-        """One handle completing ``handles``' collectives, in order."""
-        return cls(deque(item for handle in handles for item in handle._pending))
-
-    def is_completed(self) -> bool:
-        """True once :meth:`wait` has finished every collective."""
-        return not self._pending
-
-    def wait(self) -> None:
-        """Block until every collective is done and written into its tensors."""
-        while self._pending:
-            self._pending.popleft().finish()
-
-
-class _InFlight:
-    """One bucket's collective: the buffer it runs on and how to write it back.
-
-    Args:
-        bucket: the tensors' positions and whether they are staged.
-        tensors: the full tensor list the bucket indexes.
-        launch: issues the asynchronous collective on a buffer, returns its work.
-        packed: whether a staging buffer starts with the tensors' values (else it
-            starts empty: the collective only writes it, as a broadcast receiver).
-        divisor: divide the result by this after the collective (``None``: no).
-        write_back: copy the result into the tensors (a broadcast source does not).
-    """
-
-    def __init__(self, bucket: Bucket, tensors, launch, *, packed: bool, divisor: int | None, write_back: bool):
-        self.bucket = bucket
-        self._targets = [tensors[i].detach() for i in bucket.indices]
-        if not bucket.staged:
-            self._buffer = self._targets[0]
-        elif packed:
-            self._buffer = torch.cat([t.reshape(-1) for t in self._targets])
-        else:
-            first = self._targets[0]
-            self._buffer = torch.empty(sum(t.numel() for t in self._targets), dtype=first.dtype, device=first.device)
-        self._divisor = divisor
-        self._write_back = write_back
-        self._work = launch(self._buffer)
-
-    def finish(self) -> None:
-        self._work.wait()
-        if self._divisor is not None:
-            self._buffer.div_(self._divisor)
-        if self.bucket.staged and self._write_back:
-            pieces = self._buffer.split([t.numel() for t in self._targets])
-            torch._foreach_copy_(self._targets, [p.view_as(t) for p, t in zip(pieces, self._targets)])
-        # release the staging buffer now (and here, on the training thread)
-        self._buffer = self._work = None
-
-
-def _run_bucketed(
-    tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, launch, *, async_op: bool, **in_flight
-) -> CollectiveHandle | None:
-    """Issue ``launch`` over the bucket plan of ``tensors`` in order, keeping at most
-    ``bucket_cap_bytes`` of staging memory in flight (unbounded with ``async_op``,
-    which returns the handle instead of waiting)."""
-    pending: deque[_InFlight] = deque()
-    staged_in_flight = 0
-    for bucket in plan_buckets(tensors, max(1, bucket_cap_bytes // 2)):
-        while not async_op and pending and staged_in_flight + bucket.nbytes > bucket_cap_bytes:
-            done = pending.popleft()
-            done.finish()
-            staged_in_flight -= done.bucket.nbytes
-        pending.append(_InFlight(bucket, tensors, launch, **in_flight))
-        staged_in_flight += bucket.nbytes
-    handle = CollectiveHandle(pending)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+def divides_first(dtype: torch.dtype) -> bool:
+    """Whether a mean in ``dtype`` divides each value before the sum: for dtypes with
+    a narrower range than fp32 (fp16), where the sum of representable values
+    overflows long before their mean does."""
+    return torch.finfo(dtype).max < torch.finfo(torch.float32).max
 
 
 class DistributedCollective:
@@ -158,8 +107,10 @@ class DistributedCollective:
             size ``g`` (as made by ``dist.new_subgroups(g, group=process_group)``);
             see :meth:`with_subgroups`.
         bucket_cap_bytes: staging memory an averaging may use beyond the
-            parameters. Tensors are packed into buckets of half of it, so that the
-            copy into one bucket overlaps the all-reduce of the previous one.
+            parameters, kept between calls (allocated at the first, as large as that
+            call needs, up to the cap). Tensors are packed into buckets of half of
+            it, so that the copy into one bucket overlaps the all-reduce of the
+            previous one.
         check_consistency: verify, with one small all-gather per averaging, that
             every rank passes the same tensors (raises instead of hanging).
 
@@ -185,6 +136,7 @@ class DistributedCollective:
         self._world_size = dist.get_world_size(self.process_group) if self._is_member else 0
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
+        self._pool = StagingPool(bucket_cap_bytes)
 
     @classmethod
     def with_subgroups(
@@ -233,40 +185,53 @@ class DistributedCollective:
         *,
         group_size: int | None = None,
         async_op: bool = False,
+        context: str = "",
     ) -> CollectiveHandle | None:
         """Average ``tensors`` in place over this rank's group of ``group_size``.
 
         Args:
-            tensors: floating-point tensors, the same devices, dtypes and shapes in
-                the same order on every rank of the group.
+            tensors: dense floating-point or complex tensors, no two sharing memory,
+                the same devices, dtypes and shapes in the same order on every rank.
             group_size: ``None`` for the whole group, else one of
                 :attr:`group_sizes`.
-            async_op: return an :class:`CollectiveHandle` at once instead of
-                waiting. All buckets are then in flight together, so the staging
-                memory is that of every tensor that is not reduced in place.
+            async_op: return a :class:`CollectiveHandle` at once instead of waiting.
+                Every bucket is then staged at once (memory: the tensors' size), and
+                :meth:`CollectiveHandle.wait` writes all results or none.
+            context: more that must be equal on every rank (the caller's schedule
+                and step); part of the rank check.
 
         Returns:
             ``None``, or the handle when ``async_op``.
 
         Raises:
-            ValueError: unknown ``group_size``.
-            RankMismatchError: on every rank, when ranks pass different tensors.
+            TypeError, ValueError: a tensor that cannot be averaged, or an unknown
+                ``group_size`` — before anything is communicated.
+            RankMismatchError: on every rank, when ranks pass different tensors or
+                contexts; nothing is changed.
+            CollectiveError: an all-reduce failed (a peer died, a timeout); every
+                element holds its old value or its mean, as the error details.
         """
+        tensors = checked_for_reduction(tensors)
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
-            return CollectiveHandle(deque()) if async_op else None
-        tensors = list(tensors)
-        self._check_same(tensors, group, context="", what="one averaging all-reduce")
-        divisor = None if dist.get_backend(group) == "nccl" else dist.get_world_size(group)
-        op = dist.ReduceOp.SUM if divisor is not None else dist.ReduceOp.AVG
-        return _run_bucketed(
-            tensors,
-            self.bucket_cap_bytes,
-            lambda buffer: dist.all_reduce(buffer, op=op, group=group, async_op=True),
-            async_op=async_op,
-            packed=True,
-            divisor=divisor,
-            write_back=True,
+            return CollectiveHandle() if async_op else None
+        size = dist.get_world_size(group)
+        self._check_same(tensors, group, context=context, what="one averaging all-reduce")
+        native_average = dist.get_backend(group) == "nccl"
+
+        def scales(dtype: torch.dtype) -> tuple[int | None, int | None]:
+            if divides_first(dtype):
+                return size, None
+            return None, (None if native_average else size)
+
+        def launch(buffer: torch.Tensor):
+            average = native_average and not divides_first(buffer.dtype)
+            op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+            return dist.all_reduce(buffer, op=op, group=group, async_op=True)
+
+        return run_staged(
+            tensors, self.bucket_cap_bytes, launch,
+            what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
         )
 
     def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
@@ -280,6 +245,27 @@ class DistributedCollective:
         if self.check_consistency:
             check_same_tensors_on_all_ranks(tensors, group, _summary_device(group), context=context, what=what)
 
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+        """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
+        unless every rank holds bit-identical values in ``tensors`` (a digest of each
+        tensor's bytes, hashed on the host, goes through one small all-gather).
+
+        Not skipped by ``check_consistency=False``: it is asked for explicitly.
+        """
+        if not self._is_member or self._world_size == 1:
+            return
+        group = self.process_group
+        digests = torch.tensor([_value_digest(t) for t in tensors], dtype=torch.int64, device=_summary_device(group))
+        gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
+        dist.all_gather(gathered, digests, group=group)
+        rows = [g.tolist() for g in gathered]
+        differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
+        if differing:
+            raise RankMismatchError(
+                f"{what}: tensors {differing} differ between ranks (of {len(tensors)}); they must start "
+                "equal on every rank (broadcast them from one rank, as DDP does at construction)."
+            )
+
     @property
     def rank(self) -> int:
         """This process's rank within the whole group (-1 outside it)."""
@@ -289,26 +275,38 @@ class DistributedCollective:
         self, tensors: Sequence[torch.Tensor], *, src: int, async_op: bool = False
     ) -> CollectiveHandle | None:
         """Overwrite ``tensors`` on every rank with rank ``src``'s values (``src`` is
-        a rank *within* the whole group), in the same bounded buckets as
-        :meth:`mean_`; contiguous tensors of 1 MiB or more are received in place.
+        a rank *within* the whole group), in the same bounded staging buckets as
+        :meth:`mean_`: a receiver's tensor is written only once its bucket has
+        arrived whole.
 
         The caller guarantees the same tensor layouts on every rank (no check here:
         the ZeRO step checks its plan and gradients before it updates anything).
+
+        Raises:
+            CollectiveError: a broadcast failed; every element holds its old value
+                or ``src``'s, as the error details.
         """
+        tensors = checked_for_reduction(tensors)
         if not self._is_member or self._world_size == 1:
-            return CollectiveHandle(deque()) if async_op else None
+            return CollectiveHandle() if async_op else None
         group = self.process_group
         is_source = dist.get_rank(group) == src
         global_src = dist.get_global_rank(group, src)
-        return _run_bucketed(
-            list(tensors),
+        return run_staged(
+            tensors,
             self.bucket_cap_bytes,
             lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True),
+            what=f"Broadcast from rank {src}",
             async_op=async_op,
-            packed=is_source,
-            divisor=None,
+            pool=self._pool,
+            pack=is_source,
             write_back=not is_source,
         )
+
+
+def _value_digest(tensor: torch.Tensor) -> int:
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _summary_device(group: dist.ProcessGroup) -> torch.device:
@@ -354,14 +352,20 @@ class SimulatedCollective:
         *,
         group_size: int | None = None,
         async_op: bool = False,
+        context: str = "",
     ) -> CollectiveHandle | None:
         """Average each ``[R, *shape]`` tensor in place within blocks of
-        ``group_size`` consecutive replicas (``None``: all ``R``).
+        ``group_size`` consecutive replicas (``None``: all ``R``), with the division
+        rule of :class:`DistributedCollective` (``context`` is accepted for the same
+        signature: one process cannot disagree with itself).
 
         Raises:
-            ValueError: ``group_size`` does not divide ``R``, or a tensor's leading
-                dimension is not ``R`` (checked for all before any is written).
+            TypeError, ValueError: a tensor that cannot be averaged, ``group_size``
+                does not divide ``R``, or a tensor's leading dimension is not ``R``
+                (checked for all before any is written).
         """
+        del context
+        tensors = checked_for_reduction(tensors)
         size = self.num_replicas if group_size is None else group_size
         if size not in self.group_sizes:
             raise ValueError(
@@ -377,5 +381,19 @@ class SimulatedCollective:
         with torch.no_grad():
             for tensor in tensors:
                 blocks = tensor.detach().unflatten(0, (self.num_replicas // size, size))
-                blocks.copy_(blocks.sum(dim=1, keepdim=True).div_(size))
-        return CollectiveHandle(deque()) if async_op else None
+                if divides_first(tensor.dtype):
+                    blocks.copy_((blocks / size).sum(dim=1, keepdim=True))
+                else:
+                    blocks.copy_(blocks.sum(dim=1, keepdim=True).div_(size))
+        return CollectiveHandle() if async_op else None
+
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+        """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of
+        each ``[R, *shape]`` tensor is bit-identical to the first."""
+        rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
+        differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
+        if differing:
+            raise RankMismatchError(
+                f"{what}: tensors {differing} differ between replicas (of {len(tensors)}); they must start "
+                "equal on every replica."
+            )

@@ -1,0 +1,97 @@
+"""What a collective accepts: checked for every tensor before any is touched.
+
+A tensor that cannot be averaged correctly is refused with a message naming its
+position and the reason, before any collective is issued, so an unsupported tensor
+late in a list can never leave the earlier ones averaged and the later ones not:
+
+- sparse (and other non-strided) layouts, ``meta`` tensors (no data), float8 and
+  integer or bool dtypes;
+- a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
+  mean would write one memory location several times;
+- two tensors sharing memory (the same tensor passed twice, or overlapping views):
+  each would be reduced from values the other has already replaced.
+
+Complex tensors are averaged as their real view (real and imaginary parts are
+averaged independently, which is the complex mean).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_FLOAT8 = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+
+def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
+    return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes of memory ``tensor`` may touch."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return start, start + (extent + 1) * tensor.element_size()
+
+
+def checked_for_reduction(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
+    """Check that every tensor can be reduced, and return them as the real-valued
+    tensors to reduce (a complex tensor becomes its ``view_as_real``; writes go to it).
+
+    Args:
+        tensors: the tensors, in the order given.
+        arg: the argument's name, for messages.
+        noun: what an element is called in messages (``"leaf"`` for a pytree's leaves).
+
+    Raises:
+        TypeError: an element is not a tensor, or has an integer, bool or float8 dtype.
+        ValueError: a sparse or meta tensor, overlapping elements, or memory shared
+            between two tensors — naming the tensor(s) and the reason.
+    """
+    checked: list[torch.Tensor] = []
+    for position, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"Arg ``{arg}`` must be a pytree of tensors; {noun} {position} is {type(tensor).__name__}: {tensor!r}."
+            )
+        label = _label(noun, position, tensor)
+        if tensor.layout != torch.strided:
+            raise ValueError(f"Arg ``{arg}``: {label} has layout {tensor.layout}; only dense tensors can be averaged.")
+        if tensor.is_meta:
+            raise ValueError(f"Arg ``{arg}``: {label} is a meta tensor: it holds no values to average.")
+        if tensor.dtype in _FLOAT8:
+            raise TypeError(
+                f"Arg ``{arg}``: {label}: float8 cannot be summed portably by the backends; "
+                "average a bf16 or fp16 copy instead."
+            )
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(
+                f"Arg ``{arg}``: {label}: averaging needs floating-point or complex tensors "
+                "(the mean of integers or bools is not one of them)."
+            )
+        if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) != 0:
+            raise ValueError(
+                f"Arg ``{arg}``: {label} has overlapping elements (strides {tensor.stride()}, e.g. from "
+                "expand()): its mean cannot be written back; pass a contiguous copy."
+            )
+        checked.append(torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor)
+    _check_disjoint(checked, arg, noun)
+    return checked
+
+
+def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:
+    # sorted by (device, start): a tensor overlapping any later one overlaps the next one
+    spans = sorted((str(t.device), *_byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
+    for (device, _, end, first), (next_device, start, _, second) in zip(spans, spans[1:]):
+        if device == next_device and start < end:
+            a, b = sorted((first, second))
+            raise ValueError(
+                f"Arg ``{arg}``: {noun}s {a} and {b} share memory (the same tensor twice, or overlapping "
+                "views): each would be averaged from values the other already replaced. Pass each "
+                "tensor once."
+            )
