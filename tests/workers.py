@@ -32,7 +32,7 @@ class WorkerError(AssertionError):
     """At least one rank raised; the message holds every failing rank's traceback."""
 
 
-def _worker(rank, world_size, fn, args, conn):
+def _worker(rank, world_size, fn, args, conn, gloo_timeout, final_barrier):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -41,10 +41,11 @@ def _worker(rank, world_size, fn, args, conn):
         port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=gloo_timeout)
         )
         result = fn(rank, world_size, *args)
-        dist.barrier()
+        if final_barrier:
+            dist.barrier()
         payload = (True, result)
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         payload = (False, traceback.format_exc())
@@ -57,21 +58,41 @@ def _worker(rank, world_size, fn, args, conn):
         os._exit(0)
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+def run_workers(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = JOB_TIMEOUT_S,
+    victims: tuple[int, ...] = (),
+    gloo_timeout: float = GLOO_TIMEOUT_S,
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks.
+
+    Args:
+        timeout: the job's deadline.
+        victims: ranks the job kills or freezes on purpose (fault injection): they may
+            end without a result (``None`` in their place), and nobody meets at the
+            final barrier (the group is broken); every other rank must report.
+        gloo_timeout: the process group's timeout (a frozen peer's collectives fail
+            after it).
 
     Returns:
         The ranks' return values, by rank.
 
     Raises:
-        WorkerError: a rank raised (every failing rank's traceback included).
+        WorkerError: a rank raised (every failing rank's traceback included), or a
+            rank that is not a victim ended without a result.
         TimeoutError: some rank did not finish within ``timeout`` seconds.
     """
     ctx = mp.get_context("fork")
     receivers, processes = {}, []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_worker, args=(rank, world_size, fn, args, child_end), daemon=True)
+        process = ctx.Process(
+            target=_worker,
+            args=(rank, world_size, fn, args, child_end, gloo_timeout, not victims),
+            daemon=True,
+        )
         process.start()
         child_end.close()
         receivers[parent_end] = rank
@@ -83,13 +104,13 @@ def run_workers(fn, world_size: int, *args, timeout: float = JOB_TIMEOUT_S) -> l
     results: dict[int, tuple[bool, object]] = {}
     deadline = time.monotonic() + timeout
     try:
-        while receivers and time.monotonic() < deadline:
+        while any(rank not in victims for rank in receivers.values()) and time.monotonic() < deadline:
             for receiver in multiprocessing.connection.wait(list(receivers), timeout=deadline - time.monotonic()):
                 rank = receivers.pop(receiver)
                 try:
                     results[rank] = pickle.loads(receiver.recv_bytes())
                 except EOFError:
-                    results[rank] = (False, "worker exited without a result")
+                    results[rank] = (True, None) if rank in victims else (False, "worker exited without a result")
                 if not results[rank][0]:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
     finally:
@@ -104,6 +125,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = JOB_TIMEOUT_S) -> l
     failures = {r: out for r, (ok, out) in sorted(results.items()) if not ok}
     if failures:
         raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items()))
-    if receivers:
-        raise TimeoutError(f"ranks {sorted(receivers.values())} did not finish within {timeout} s")
-    return [results[r][1] for r in range(world_size)]
+    silent = sorted(rank for rank in receivers.values() if rank not in victims)
+    if silent:
+        raise TimeoutError(f"ranks {silent} did not finish within {timeout} s")
+    return [results[r][1] if r in results else None for r in range(world_size)]

@@ -32,6 +32,18 @@ def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
 
 
+def _may_overlap_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` may share memory: unless, taking its
+    dimensions by increasing stride, each stride steps over everything the smaller
+    ones span (true of every contiguous tensor, permutation and slice)."""
+    spanned = 0
+    for size, stride in sorted(((n, abs(s)) for n, s in zip(tensor.shape, tensor.stride()) if n > 1), key=lambda d: d[1]):
+        if stride <= spanned:
+            return True
+        spanned += (size - 1) * stride
+    return False
+
+
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """``[first, last)`` bytes of memory ``tensor`` may touch."""
     extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
@@ -74,7 +86,7 @@ def checked_for_reduction(tensors: Sequence[object], *, arg: str = "tensors", no
                 f"Arg ``{arg}``: {label}: averaging needs floating-point or complex tensors "
                 "(the mean of integers or bools is not one of them)."
             )
-        if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) != 0:
+        if _may_overlap_itself(tensor):
             raise ValueError(
                 f"Arg ``{arg}``: {label} has overlapping elements (strides {tensor.stride()}, e.g. from "
                 "expand()): its mean cannot be written back; pass a contiguous copy."

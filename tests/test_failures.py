@@ -1,0 +1,122 @@
+"""Failure contract of averaging, by injecting the fault: a peer dies or freezes before,
+during or after an averaging; a later tensor is unsupported; a handle's wait fails.
+Every survivor's tensors hold their old values or the mean — exactly as the
+``CollectiveError`` says — and a retry on the surviving group is exact."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import puredist
+from faults import fault_at_collective
+from puredist import CollectiveError, DistributedCollective
+from workers import run_workers
+
+TENSORS = 16
+NUMEL = 2**20  # 4 MiB of fp32 each: 64 MiB per rank, several buckets of 16 MiB
+
+
+def values(rank: int, index: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor ``index``: small integers, so every sum is exact and the
+    mean has one rounding (the same in any summation order)."""
+    gen = torch.Generator().manual_seed(1000 * rank + index)
+    return torch.randint(-100, 100, (NUMEL,), generator=gen).float()
+
+
+def mean_of(ranks, index: int) -> torch.Tensor:
+    return sum(values(r, index) for r in ranks) / len(ranks)
+
+
+def assert_old_or_mean_as_reported(tensors, error: CollectiveError, rank: int, ranks) -> list[int]:
+    """The contract: tensor i holds the mean in its first ``completed_elements[i]``
+    elements and its old values after — nothing else (no partial sums)."""
+    for index, (tensor, done) in enumerate(zip(tensors, error.completed_elements)):
+        mean, old = mean_of(ranks, index), values(rank, index)
+        assert torch.equal(tensor[:done], mean[:done]), f"tensor {index}: not the mean in [0, {done})"
+        assert torch.equal(tensor[done:], old[done:]), f"tensor {index}: not the old values after {done}"
+    return list(error.completed_elements)
+
+
+def _average_with_a_fault(rank, world_size, when, how):
+    tensors = [values(rank, i) for i in range(TENSORS)]
+    victim = world_size - 1
+    if rank == victim and when == "before":
+        fault_at_collective(0, how=how, when="before")  # never joins the first bucket
+    if rank == victim and when == "during":
+        fault_at_collective(2, how=how, when="during")  # goes down inside the third bucket
+    collective = DistributedCollective()
+    survivors = list(range(world_size - 1))
+    try:
+        puredist.average_(tensors, collective=collective)
+    except CollectiveError as error:
+        assert "No tensor holds a partial result" in str(error)
+        completed = assert_old_or_mean_as_reported(tensors, error, rank, range(world_size))
+    else:
+        assert when == "after", "averaging with a dead peer returned normally"
+        for index, tensor in enumerate(tensors):
+            assert torch.equal(tensor, mean_of(range(world_size), index))
+        completed = [NUMEL] * TENSORS
+        if rank == victim:
+            fault_at_collective(0, how=how, when="before")
+            dist.all_reduce(torch.zeros(1))
+    # retry on the surviving group: the mean over survivors of what each now holds
+    group = dist.new_group(survivors, use_local_synchronization=True)
+    held = [t.clone() for t in tensors]
+    puredist.average_(tensors, collective=DistributedCollective(group))
+    gathered = [[torch.empty_like(t) for _ in survivors] for t in held]
+    for index, t in enumerate(held):
+        dist.all_gather(gathered[index], t, group=group)
+        assert torch.equal(tensors[index], sum(gathered[index]) / len(survivors))
+    return completed
+
+
+@pytest.mark.parametrize("when", ["before", "during", "after"])
+def test_a_peer_dying_leaves_old_values_or_means_as_reported_and_a_retry_is_exact(when):
+    results = run_workers(_average_with_a_fault, 3, when, "die", victims=(2,), timeout=60)
+    first, second = results[0], results[1]
+    assert first is not None and second is not None
+    if when == "before":
+        assert first == second == [0] * TENSORS  # nothing was averaged anywhere
+    if when == "during":
+        # the victim took part in two buckets: some tensors were averaged, some not
+        assert any(c == NUMEL for c in first) and any(c < NUMEL for c in first)
+
+
+def test_a_frozen_peer_times_out_with_old_values_or_means_as_reported():
+    results = run_workers(_average_with_a_fault, 3, "during", "freeze", victims=(2,), timeout=60, gloo_timeout=3)
+    assert results[0] is not None and results[1] is not None
+
+
+def _later_tensor_unsupported(rank, world_size):
+    dense = torch.full((2**19,), float(rank + 1))  # 2 MiB
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(ValueError, match=r"leaf 1 .*sparse_coo.*only dense"):
+        puredist.average_([dense, sparse], collective=DistributedCollective())
+    assert torch.equal(dense, torch.full((2**19,), float(rank + 1)))  # untouched: 1.0 / 2.0, not 3.0
+    puredist.average_([dense], collective=DistributedCollective())  # the group still works
+    assert torch.equal(dense, torch.full((2**19,), 1.5))
+
+
+def test_an_unsupported_tensor_late_in_the_list_is_refused_before_anything_is_averaged():
+    run_workers(_later_tensor_unsupported, 2)
+
+
+def _async_wait_fails(rank, world_size):
+    tensors = [values(rank, i) for i in range(TENSORS)]
+    if rank == 2:
+        fault_at_collective(1, how="die", when="before")  # the first bucket succeeds, the second fails
+    handle = puredist.average_(tensors, collective=DistributedCollective(), async_op=True)
+    with pytest.raises(CollectiveError, match="No tensor holds a partial result") as first:
+        handle.wait()
+    assert not handle.is_completed() and handle.error is first.value
+    with pytest.raises(CollectiveError) as second:
+        handle.wait()  # stays failed
+    assert second.value is first.value
+    for index, tensor in enumerate(tensors):  # all or nothing: nothing
+        assert torch.equal(tensor, values(rank, index))
+    return True
+
+
+def test_a_failed_wait_stays_failed_and_writes_nothing():
+    results = run_workers(_async_wait_fails, 3, victims=(2,), timeout=60)
+    assert results[:2] == [True, True]

@@ -1,0 +1,91 @@
+"""What averaging accepts: low-precision means that do not overflow, on every path;
+aliased, sparse, meta, float8 and expanded tensors refused (naming the leaf and the
+reason) before anything is touched; complex tensors averaged."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import puredist
+from puredist import DistributedCollective, SimulatedCollective
+from puredist.classic import PeriodicModelAverager
+from workers import run_workers
+
+FP16_MEAN = torch.tensor([40000.0, 30000.0], dtype=torch.float16).float().mean().half()  # 35008, as torch gives
+
+
+def test_fp16_mean_does_not_overflow_on_the_simulated_backend():
+    stacked = torch.tensor([[40000.0], [30000.0]], dtype=torch.float16)
+    out = puredist.average(stacked, collective=SimulatedCollective(2))
+    assert torch.equal(out, torch.full((2, 1), FP16_MEAN.item(), dtype=torch.float16))
+
+
+def _fp16_every_path(rank, world_size):
+    value = [40000.0, 30000.0][rank]
+    functional = torch.full((4,), value, dtype=torch.float16)
+    puredist.average_([functional], collective=DistributedCollective())
+
+    classic = torch.nn.Parameter(torch.full((4,), value, dtype=torch.float16))
+    classic.grad = torch.zeros_like(classic)
+    PeriodicModelAverager(period=2, warmup_steps=0).average_parameters([classic])
+
+    # DiLoCo's first synchronization: global copy 0, local value -> pseudo-gradient -value
+    diloco = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=1, comm_dtype=torch.float16)
+    local = [torch.zeros(4, dtype=torch.float16)]
+    state = diloco.init(local)
+    local[0].fill_(value)
+    diloco.update_(local, state, collective=DistributedCollective())
+    return [t.detach().clone() for t in (functional, classic, local[0])]
+
+
+def test_fp16_mean_does_not_overflow_on_real_ranks_in_every_path():
+    for rank_results in run_workers(_fp16_every_path, 2):
+        for tensor in rank_results:
+            assert torch.equal(tensor, torch.full((4,), FP16_MEAN.item(), dtype=torch.float16)), tensor
+
+
+def _refused(params, match, error=ValueError):
+    copies = [t.clone() if t.layout == torch.strided and not t.is_meta else t for t in params]
+    with pytest.raises(error, match=match):
+        puredist.average_(params, collective=SimulatedCollective(2))
+    for before, after in zip(copies, params):
+        if after.layout == torch.strided and not after.is_meta:
+            assert torch.equal(before, after)  # nothing touched
+
+
+def test_the_same_tensor_twice_is_refused_before_anything_is_touched():
+    big = torch.randn(2, 2**18)
+    _refused([torch.randn(2, 3), big, big], r"leafs 1 and 2 share memory")
+    base = torch.randn(2, 10)
+    _refused([base[:, :6], base[:, 4:]], r"leafs 0 and 1 share memory")
+
+
+@pytest.mark.parametrize(
+    "bad, match, error",
+    [
+        (torch.eye(2).to_sparse(), r"leaf 1 \(shape \(2, 2\).*layout torch.sparse_coo.*only dense", ValueError),
+        (torch.zeros(2, 3, device="meta"), r"leaf 1 .*meta tensor: it holds no values", ValueError),
+        (torch.zeros(2, 3).to(torch.float8_e4m3fn), r"leaf 1 .*float8.*bf16 or fp16 copy", TypeError),
+        (torch.zeros(2, 1).expand(2, 5), r"leaf 1 .*overlapping elements.*strides \(1, 0\)", ValueError),
+        (torch.zeros(2, 3, dtype=torch.int32), r"leaf 1 .*int32.*floating-point or complex", TypeError),
+    ],
+)
+def test_unsupported_tensors_are_refused_naming_the_leaf_and_the_reason(bad, match, error):
+    _refused([torch.randn(2, 4), bad], match, error)
+
+
+def test_complex_tensors_are_averaged_as_complex_numbers():
+    stacked = torch.randn(4, 3, dtype=torch.complex64)
+    out = puredist.average(stacked, collective=SimulatedCollective(4))
+    torch.testing.assert_close(out, stacked.mean(0, keepdim=True).expand(4, 3))
+
+
+def _complex_on_ranks(rank, world_size):
+    z = torch.complex(torch.full((3,), float(rank)), torch.full((3,), 2.0 * rank))
+    puredist.average_({"z": z}, collective=DistributedCollective())
+    return z
+
+
+def test_complex_tensors_are_averaged_on_real_ranks():
+    for z in run_workers(_complex_on_ranks, 4):
+        assert torch.equal(z, torch.complex(torch.full((3,), 1.5), torch.full((3,), 3.0)))
