@@ -93,3 +93,27 @@ def test_period_one_warns_like_torch(outcomes):
     torch_periodic, ours_periodic, torch_hier, ours_hier = outcomes["warnings"]
     assert ours_periodic == torch_periodic
     assert ours_hier == torch_hier
+
+
+def _resources_after_constructions(rank, world_size):
+    import os
+
+    from puredist.classic import HierarchicalModelAverager
+
+    def used():
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+    HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=0)
+    first = used()
+    for _ in range(5):
+        averager = HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=0)
+        param = torch.nn.Parameter(torch.full((3,), float(rank)))
+        param.grad = torch.zeros(3)
+        averager.average_parameters([param])  # the reused subgroups still work
+        assert torch.equal(param.detach(), torch.full((3,), 1.5))
+    return first, used()
+
+
+def test_constructing_hierarchical_averagers_does_not_leak_process_groups():
+    for first, last in run_workers(_resources_after_constructions, 4):
+        assert last == first, f"file descriptors and threads grew from {first} to {last}"

@@ -234,3 +234,27 @@ def test_bad_input_gets_clear_errors():
     assert errors["fused kernel"][0] == "ValueError" and "fused" in errors["fused kernel"][1]
     assert errors["find_unused_parameters"][0] == "ValueError" and "find_unused_parameters" in errors["find_unused_parameters"][1]
     assert errors["two groups with overlap"][0] == "ValueError"
+
+
+def _bad_loads(rank, world_size):
+    model = torch.nn.Linear(4, 3)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    sgd.step()
+    with pytest.raises(ValueError, match=r"parameter 0 has \['momentum_buffer'\].*Adam does not keep"):
+        zero.load_state_dict(sgd.state_dict())
+    adam = torch.optim.Adam(model.parameters(), lr=0.5)
+    adam.step()
+    wrong = adam.state_dict()
+    wrong["state"][1]["exp_avg"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"exp_avg.*parameter 1 has shape \(7,\), the parameter \(3,\)"):
+        zero.load_state_dict(wrong)
+    # nothing changed: the learning rate is still this optimizer's, the state still fresh
+    assert zero.param_groups[0]["lr"] == 0.1
+    assert all(float(s.step) == 0 for s in zero.zero_state.owned)
+    return True
+
+
+def test_loads_are_checked_on_every_rank_before_anything_changes():
+    assert run_workers(_bad_loads, 2) == [True, True]

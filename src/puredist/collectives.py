@@ -47,6 +47,7 @@ __all__ = [
     "DistributedCollective",
     "SimulatedCollective",
     "divides_first",
+    "subgroup",
 ]
 
 DEFAULT_BUCKET_CAP_BYTES = 32 * 2**20
@@ -85,9 +86,9 @@ class Collective(Protocol):
         ``context`` (e.g. the schedule and step) must be equal on every rank."""
         ...
 
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
-        holds the same values in ``tensors``."""
+        holds the same values in ``tensors``; ``context`` as for :meth:`mean_`."""
         ...
 
 
@@ -142,19 +143,16 @@ class DistributedCollective:
     def with_subgroups(
         cls, group_sizes: Sequence[int], process_group: dist.ProcessGroup | None = None, **kwargs
     ) -> "DistributedCollective":
-        """Create (collectively, on every rank) the subgroups of each size in
-        ``group_sizes`` with ``dist.new_subgroups`` and return a collective using them.
+        """Get the subgroups of each size in ``group_sizes`` (see :func:`subgroup`:
+        created collectively on first use, then reused) and return a collective
+        using them.
 
         Raises:
             ValueError: a size does not divide the group's size (from torch).
         """
         whole = process_group if process_group is not None else dist.group.WORLD
         world_size = dist.get_world_size(whole)
-        subgroups = {
-            size: dist.new_subgroups(group_size=size, group=whole)[0]
-            for size in dict.fromkeys(group_sizes)
-            if size != world_size
-        }
+        subgroups = {size: subgroup(whole, size) for size in dict.fromkeys(group_sizes) if size != world_size}
         return cls(process_group, subgroups=subgroups, **kwargs)
 
     @property
@@ -245,16 +243,17 @@ class DistributedCollective:
         if self.check_consistency:
             check_same_tensors_on_all_ranks(tensors, group, _summary_device(group), context=context, what=what)
 
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
-        unless every rank holds bit-identical values in ``tensors`` (a digest of each
-        tensor's bytes, hashed on the host, goes through one small all-gather).
-
-        Not skipped by ``check_consistency=False``: it is asked for explicitly.
+        unless every rank holds bit-identical values in ``tensors``: after the usual
+        rank check (layouts and ``context``, so that a rank elsewhere in its schedule
+        cannot pair its collectives with this one), a digest of each tensor's bytes,
+        hashed on the host, goes through one small all-gather.
         """
         if not self._is_member or self._world_size == 1:
             return
         group = self.process_group
+        self._check_same(list(tensors), group, context=context, what=what)
         digests = torch.tensor([_value_digest(t) for t in tensors], dtype=torch.int64, device=_summary_device(group))
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
         dist.all_gather(gathered, digests, group=group)
@@ -307,6 +306,21 @@ class DistributedCollective:
 def _value_digest(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+_SUBGROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """This rank's subgroup of ``size`` consecutive ranks of ``whole``, made by
+    ``dist.new_subgroups`` the first time (a collective: every rank of ``whole``
+    asks for the same sizes in the same order, as torch requires), then reused —
+    a process group holds sockets and threads, so making new ones for every averager
+    leaks them."""
+    key = (id(whole), size)
+    if key not in _SUBGROUPS:  # the parent is kept too, so its id is never reused
+        _SUBGROUPS[key] = (whole, dist.new_subgroups(group_size=size, group=whole)[0])
+    return _SUBGROUPS[key][1]
 
 
 def _summary_device(group: dist.ProcessGroup) -> torch.device:
@@ -387,9 +401,10 @@ class SimulatedCollective:
                     blocks.copy_(blocks.sum(dim=1, keepdim=True).div_(size))
         return CollectiveHandle() if async_op else None
 
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str) -> None:
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of
         each ``[R, *shape]`` tensor is bit-identical to the first."""
+        del context
         rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
         differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
         if differing:

@@ -44,7 +44,6 @@ same for any state of one transform), which ``torch.save`` and
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -52,7 +51,7 @@ import torch
 from puredist._tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist.averaging import _float_leaves
-from puredist.collectives import Collective, CollectiveHandle
+from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.optim import Optimizer, _clone_state
 from puredist.schedules import hierarchical_schedule
 
@@ -175,6 +174,10 @@ def outer_optimizer(
         check_hierarchy_periods(tuple(lower))
     lower_sizes = tuple(lower.values())
     offsets = [f * sync_every // fragments for f in range(fragments)]
+    config = (
+        f"outer_optimizer(sync_every={sync_every}, warmup_steps={warmup_steps}, delay={delay}, "
+        f"fragments={fragments}, comm_dtype={comm_dtype}, lower_levels={lower})"
+    )
 
     def due_fragments(step: int) -> list[int]:
         return [
@@ -213,11 +216,13 @@ def outer_optimizer(
                 for i in indices
             )
             snapshot = tuple(leaves[i].detach().clone() for i in indices) if delay else ()
-        handle = collective.mean_(list(pseudo), async_op=True)
-        return InFlight(state.step + delay, fragment, pseudo, snapshot, handle)
+        return InFlight(state.step + delay, fragment, pseudo, snapshot, issue(pseudo, state.step, fragment, collective))
+
+    def issue(pseudo, start_step: int, fragment: int, collective: Collective) -> CollectiveHandle:
+        context = f"{config} sync of fragment {fragment} started at step {start_step}"
+        return collective.mean_(list(pseudo), async_op=True, context=context)
 
     def apply(leaves, global_params: list, outer_state: list, item: InFlight, indices) -> None:
-        item.handle.wait()
         targets = [global_params[i] for i in indices]
         grads = [p.to(device=g.device, dtype=g.dtype) for p, g in zip(item.pseudo_grads, targets)]
         with torch.no_grad():
@@ -238,31 +243,52 @@ def outer_optimizer(
                     local.copy_(targets[k])
 
     def update_(params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
+        """In place (see :class:`OuterTransform`). Raises before applying anything if a
+        synchronization fails: the state passed in stays valid and un-applied (a
+        failed synchronization in it is issued again, on ``collective``, by the next
+        ``update_`` with it)."""
         leaves, _ = _float_leaves(params)
         fragment_leaves = layout(leaves)
         check_collective(collective)
+        if state.step == 0:
+            collective.check_replicated(
+                list(state.global_params),
+                what=f"{config}: the initial parameters (the global copy made by init)",
+                context=f"{config} initial check at step 0",
+            )
+        in_flight = [
+            item._replace(handle=issue(item.pseudo_grads, item.apply_step - delay, item.fragment, collective))
+            if item.handle.error is not None else item
+            for item in state.in_flight
+        ]
         due = due_fragments(state.step)
-        in_flight = list(state.in_flight)
         for f in due:
             in_flight.append(start(leaves, state, f, fragment_leaves[f], collective))
-        global_params, outer_state, waiting = list(state.global_params), list(state.outer_state), []
-        for item in in_flight:
-            if item.apply_step == state.step:
-                apply(leaves, global_params, outer_state, item, fragment_leaves[item.fragment])
-            else:
-                waiting.append(item)
+        applying = [item for item in in_flight if item.apply_step == state.step]
+        waiting = [item for item in in_flight if item.apply_step != state.step]
+        for item in applying:
+            item.handle.wait()  # all of them before any is applied: a failure applies nothing
+        global_params, outer_state = list(state.global_params), list(state.outer_state)
+        for item in applying:
+            apply(leaves, global_params, outer_state, item, fragment_leaves[item.fragment])
+        new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting))
         level = lower_level(state.step)
         busy = set(due) | {item.fragment for item in waiting}
         idle = [leaves[i] for f, indices in enumerate(fragment_leaves) if f not in busy for i in indices]
         if level is not None and idle:
-            collective.mean_(idle, group_size=lower_sizes[level])
-        return OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting))
+            try:
+                collective.mean_(idle, group_size=lower_sizes[level], context=f"{config} lower level at step {state.step}")
+            except CollectiveError as error:
+                error.state = new_state  # the outer step was applied: continue from this state
+                raise
+        return new_state
 
     def update(params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
         """Pure: first completes the input state's collectives in flight (their buffers
         belong to the collective until then), then works on copies."""
         for item in state.in_flight:
-            item.handle.wait()
+            if item.handle.error is None:  # a failed one is issued again by update_
+                item.handle.wait()
         leaves, spec = _float_leaves(params)
         copies = clone_leaves(leaves)
         cloned = OuterState(
@@ -281,7 +307,7 @@ def outer_optimizer(
 
     def state_dict(state: OuterState, *, rank: int) -> dict[str, Any]:
         fragment_leaves = layout(state.global_params)
-        saved: dict[str, Any] = {"step": state.step}
+        saved: dict[str, Any] = {"step": state.step, "config": config}
         for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
             saved[f"global.{i}"] = global_param
             for field, value in leaf_state._asdict().items():
@@ -303,6 +329,7 @@ def outer_optimizer(
 
     def load_state_dict(state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
         fragment_leaves = layout(state.global_params)
+        check_saved(state, saved, fragment_leaves, rank)
         global_params = tuple(
             saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True) for i, g in enumerate(state.global_params)
         )
@@ -326,9 +353,39 @@ def outer_optimizer(
                 f,
                 tuple(saved[f"in_flight.{f}.pseudo_grad.{k}"].clone() for k in range(len(indices))),
                 tuple(saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"].clone() for k in range(len(indices))) if delay else (),
-                CollectiveHandle(deque()),  # completed before it was saved
+                CollectiveHandle(),  # completed before it was saved
             ))
         in_flight.sort(key=lambda item: item.apply_step)
         return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight))
+
+    def check_saved(state: OuterState, saved: Mapping[str, Any], fragment_leaves, rank: int) -> None:
+        """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
+        can be loaded on ``rank`` (nothing is built before it passes)."""
+        if saved.get("config") != config:
+            raise ValueError(
+                f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
+                f"{config!r}: the schedules and payloads differ, so it cannot continue that run."
+            )
+        step = saved["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
+        for i, template in enumerate(state.global_params):
+            shape = tuple(saved[f"global.{i}"].shape)
+            if shape != tuple(template.shape):
+                raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+        for f, indices in enumerate(fragment_leaves):
+            apply_step = int(saved[f"in_flight.{f}.apply_step"])
+            if apply_step >= 0 and not step <= apply_step <= step + delay:
+                raise ValueError(
+                    f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, "
+                    f"outside [{step}, {step + delay}] for the saved step {step}."
+                )
+            if apply_step >= 0 and delay and f"in_flight.{f}.snapshot.0.rank{rank}" not in saved:
+                raise ValueError(
+                    f"Arg ``saved`` holds no snapshot of rank {rank} for fragment {f}'s synchronization in flight: "
+                    "it was saved at a smaller world size. A checkpoint loads at another world size only when no "
+                    "delayed synchronization is in flight (save at a step where none is, e.g. a multiple of "
+                    "sync_every that applies no delay)."
+                )
 
     return OuterTransform(init, update, update_, state_dict, load_state_dict)

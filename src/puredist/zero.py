@@ -125,7 +125,9 @@ def zero(optimizer: Optimizer) -> Zero:
 
     def update_(params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
-        collective.check_same_on_all_ranks(leaves, context=state.plan.digest(), what="one ZeRO step")
+        collective.check_same_on_all_ranks(
+            leaves, context=f"plan {state.plan.digest()} step {state.step}", what="one ZeRO step"
+        )
         state, handle = _step_and_broadcast(leaves, grad_leaves, state, range(len(leaves)), collective)
         handle.wait()
         return end_iteration(state)

@@ -213,7 +213,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         has_grad = "".join("1" if g is not None else "0" for g in grads)
         self._collective.check_same_on_all_ranks(
-            params, context=f"{self._zero_state.plan.digest()}:{has_grad}", what="ZeroRedundancyOptimizer.step"
+            params,
+            context=f"plan {self._zero_state.plan.digest()} step {self._zero_state.step} grads {has_grad}",
+            what="ZeroRedundancyOptimizer.step",
         )
         self._step_(grads, range(len(params))).wait()
         self._end_iteration()
@@ -259,19 +261,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         non-sharded ``optimizer_class``); each rank keeps its own share.
 
         Raises:
-            ValueError: the groups differ in number or size from this optimizer's.
+            ValueError: the groups differ in number or size from this optimizer's; a
+                saved parameter state has fields of another optimizer (e.g. SGD's
+                ``momentum_buffer`` for Adam) or another shape than its parameter.
+                Every entry is checked on every rank (so all ranks raise alike)
+                before anything changes: a failed load leaves the optimizer as it was.
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
         saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
         params, plan = self._params(), self._zero_state.plan
+        for index in range(len(params)):  # every entry, owned or not: every rank decides alike
+            (fresh,) = self._fresh_states([index])
+            _check_saved_entry(state_dict["state"].get(saved_ids[index], {}), fresh, params[index], index, self._optimizer_class)
+        mine = plan.owned_by(self._rank)
+        fresh_states = self._fresh_states(mine)
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
         owned = []
-        for index, fresh in zip(plan.owned_by(self._rank), self._fresh_states(plan.owned_by(self._rank))):
+        for index, fresh in zip(mine, fresh_states):
             entry = state_dict["state"].get(saved_ids[index], {})
             param = params[index]
             owned.append(type(fresh)(**{
@@ -280,6 +291,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             }))
         self._zero_state = self._zero_state._replace(owned=tuple(owned))
         self._pristine = False
+
+
+def _check_saved_entry(entry: dict[str, Any], fresh, param: torch.Tensor, index: int, optimizer_class: type) -> None:
+    """Raise ``ValueError`` unless ``entry`` is a state of ``optimizer_class`` for ``param``."""
+    fields = fresh._asdict()
+    unknown = sorted(set(entry) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"Arg ``state_dict``: the state of parameter {index} has {unknown}, which "
+            f"{optimizer_class.__name__} does not keep ({sorted(fields)}): a checkpoint of another optimizer?"
+        )
+    for field, value in entry.items():
+        if field != "step" and isinstance(value, torch.Tensor) and value.shape != param.shape:
+            raise ValueError(
+                f"Arg ``state_dict``: ``{field}`` of parameter {index} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}."
+            )
 
 
 def _cast_like(value: torch.Tensor, param: torch.Tensor, field: str) -> torch.Tensor:

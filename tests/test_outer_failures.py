@@ -1,0 +1,122 @@
+"""DiLoCo's failure paths: ranks that start apart are refused; a synchronization that
+fails leaves the state passed in valid and un-applied (nothing half-reduced is saved
+or applied) and a retry on the survivors re-issues it; loads are validated before
+anything is built."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import puredist
+from faults import fault_at_collective
+from puredist import CollectiveError, DistributedCollective, RankMismatchError, SimulatedCollective
+from workers import run_workers
+
+
+def diloco(**options):
+    return puredist.outer_optimizer(puredist.sgd(lr=1.0), **{"sync_every": 2, **options})
+
+
+def test_replicas_that_start_apart_are_refused_at_the_first_update():
+    transform = diloco()
+    params = [torch.tensor([[0.0, 1.0], [1.0, 1.0]])]  # replica 1 starts 1.0 away
+    state = transform.init(params)
+    with pytest.raises(RankMismatchError, match=r"initial parameters.*tensors \[0\] differ"):
+        transform.update_(params, state, collective=SimulatedCollective(2))
+    assert torch.equal(params[0], torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
+
+
+def _start_apart(rank, world_size):
+    transform = diloco()
+    params = [torch.full((3,), float(rank))]
+    with pytest.raises(RankMismatchError, match="initial parameters"):
+        transform.update_(params, transform.init(params), collective=DistributedCollective())
+    return True
+
+
+def test_ranks_that_start_apart_are_refused_on_every_rank():
+    assert run_workers(_start_apart, 2) == [True, True]
+
+
+def _sync_fails_in_flight(rank, world_size):
+    transform = diloco(delay=1)
+    params = [torch.zeros(4)]
+    state = transform.init(params)
+    if rank == 2:
+        fault_at_collective(0, how="die", when="before")  # never joins the step-0 synchronization
+    params[0].add_(rank + 1)  # local progress before the sync
+    state = transform.update_(params, state, collective=DistributedCollective())  # starts it, in flight
+    params[0].add_(0.5)  # local progress while it is in flight
+    before_params, before_global = params[0].clone(), state.global_params[0].clone()
+    with pytest.raises(CollectiveError, match="No tensor holds a partial result"):
+        transform.update_(params, state, collective=DistributedCollective())  # would apply it
+    assert torch.equal(params[0], before_params) and torch.equal(state.global_params[0], before_global)
+    with pytest.raises(CollectiveError):
+        transform.state_dict(state, rank=rank)  # nothing half-reduced is saved
+    survivors = dist.new_group([0, 1], use_local_synchronization=True)
+    state = transform.update_(params, state, collective=DistributedCollective(survivors))
+    # first sync = plain averaging over the survivors: g = mean(1, 2) = 1.5, plus the 0.5 made meanwhile
+    assert torch.equal(state.global_params[0], torch.full((4,), 1.5))
+    assert torch.equal(params[0], torch.full((4,), 2.0))
+    return transform.state_dict(state, rank=rank)["step"]
+
+
+def test_a_failed_synchronization_leaves_the_state_unapplied_and_a_retry_on_survivors_completes_it():
+    results = run_workers(_sync_fails_in_flight, 3, victims=(2,), timeout=60)
+    assert results[:2] == [2, 2]
+
+
+def saved_state(transform, params, steps, collective):
+    state = transform.init(params)
+    for _ in range(steps):
+        for p in params:
+            p.add_(torch.arange(p.shape[0], dtype=p.dtype).unsqueeze(-1))
+        state = transform.update_(params, state, collective=collective)
+    return state
+
+
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (dict(delay=0), r"saved by .*delay=1.*this transform is .*delay=0"),
+        (dict(sync_every=4, delay=1), r"sync_every=2.*sync_every=4"),
+        (dict(delay=1, comm_dtype=torch.bfloat16), r"comm_dtype=None.*comm_dtype=torch.bfloat16"),
+        (dict(delay=1, fragments=2), r"fragments=1.*fragments=2"),
+    ],
+)
+def test_a_checkpoint_of_another_configuration_is_refused(other, match):
+    params = [torch.zeros(2, 3), torch.zeros(2, 5)]
+    saved = diloco(delay=1).state_dict(saved_state(diloco(delay=1), params, 3, SimulatedCollective(2)), rank=0)
+    target = diloco(**other)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(target.init(params), saved, rank=0)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s.update(step=-1), r"step.*non-negative int, got -1"),
+        (lambda s: s.update({"in_flight.0.apply_step": 1}), r"fragment 0.*applies at step 1, outside \[3, 4\]"),
+        (lambda s: s.update({"global.1": torch.zeros(2, 4)}), r"global.1.*shape \(2, 4\).*\(2, 5\)"),
+    ],
+)
+def test_a_corrupt_checkpoint_is_refused(edit, match):
+    params = [torch.zeros(2, 3), torch.zeros(2, 5)]
+    transform = diloco(delay=1)
+    saved = transform.state_dict(saved_state(transform, params, 3, SimulatedCollective(2)), rank=0)
+    edit(saved)
+    with pytest.raises(ValueError, match=match):
+        transform.load_state_dict(transform.init(params), saved, rank=0)
+
+
+def test_world_size_changes_load_by_the_documented_rule():
+    params = [torch.zeros(2, 3)]
+    transform = diloco(delay=1)
+    in_flight = transform.state_dict(saved_state(transform, params, 3, SimulatedCollective(2)), rank=1)
+    assert in_flight["in_flight.0.apply_step"] == 3  # a delayed synchronization is in flight
+    with pytest.raises(ValueError, match=r"no snapshot of rank 3.*another world size only when no delayed"):
+        transform.load_state_dict(transform.init(params), in_flight, rank=3)
+    settled = transform.state_dict(saved_state(transform, [torch.zeros(2, 3)], 4, SimulatedCollective(2)), rank=1)
+    assert settled["in_flight.0.apply_step"] == -1
+    restored = transform.load_state_dict(transform.init(params), settled, rank=3)
+    assert restored.step == 4 and restored.in_flight == ()

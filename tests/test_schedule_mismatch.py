@@ -1,0 +1,83 @@
+"""Ranks that disagree about the schedule (configuration or step) raise
+RankMismatchError on every rank at the first mismatched collective, with nothing
+changed, instead of pairing different steps' collectives until a timeout."""
+
+import pytest
+import torch
+
+import puredist
+from puredist import DistributedCollective, RankMismatchError
+from puredist.classic import ZeroRedundancyOptimizer
+from workers import run_workers
+
+BUILDERS = {
+    "period": lambda rank: puredist.periodic_averager(period=2 if rank == 0 else 4, warmup_steps=0),
+    "warmup": lambda rank: puredist.periodic_averager(period=2, warmup_steps=1 if rank == 0 else 3),
+    "hierarchy": lambda rank: puredist.hierarchical_averager({2: 2, 4: 4} if rank < 2 else {2: 2, 6: 4}),
+    "sync_every": lambda rank: puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2 if rank == 0 else 4),
+    "delay": lambda rank: puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=4, delay=rank % 2),
+}
+
+
+def _mismatched(rank, world_size, kind):
+    transform = BUILDERS[kind](rank)
+    collective = DistributedCollective.with_subgroups([2, 4]) if kind == "hierarchy" else DistributedCollective()
+    params = [torch.zeros(3)]
+    state = transform.init(params)  # equal on every rank, as DDP makes them
+    params[0].add_(rank)
+    for step in range(12):
+        before = params[0].clone()
+        try:
+            state = transform.update_(params, state, collective=collective)
+        except RankMismatchError as error:
+            assert torch.equal(params[0], before)  # nothing changed
+            return step, str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_different_schedules_raise_on_every_rank_at_the_first_mismatch(kind):
+    world_size = 4 if kind == "hierarchy" else 2
+    results = run_workers(_mismatched, world_size, kind)
+    assert all(r is not None for r in results), results
+    for _, message in results:
+        assert "different steps or run different schedules" in message and "context" in message
+
+
+def _different_steps(rank, world_size, transform_kind):
+    if transform_kind == "averager":
+        transform = puredist.periodic_averager(period=2)
+    else:
+        transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2)
+    params = [torch.zeros(3)]
+    state = transform.init(params)
+    params[0].add_(rank)
+    if rank == 1:  # restored from another checkpoint: two steps ahead, also an averaging step
+        state = state._replace(step=2)
+    before = params[0].clone()
+    with pytest.raises(RankMismatchError, match=r"(?s)different steps.*step 0.*step 2"):
+        transform.update_(params, state, collective=DistributedCollective())
+    assert torch.equal(params[0], before)
+    return True
+
+
+@pytest.mark.parametrize("transform_kind", ["averager", "outer"])
+def test_ranks_at_different_steps_raise_instead_of_pairing_the_steps(transform_kind):
+    assert run_workers(_different_steps, 2, transform_kind) == [True, True]
+
+
+def _zero_extra_step(rank, world_size):
+    params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0)))]
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    params[0].grad = torch.ones(4)
+    if rank == 0:
+        zero._end_iteration()  # as if rank 0 had taken one more step
+    before = params[0].detach().clone()
+    with pytest.raises(RankMismatchError, match="different steps"):
+        zero.step()
+    assert torch.equal(params[0].detach(), before)
+    return True
+
+
+def test_an_extra_zero_step_on_one_rank_raises_on_every_rank():
+    assert run_workers(_zero_extra_step, 2) == [True, True]
