@@ -75,6 +75,24 @@ def test_an_unwritable_output_folder_is_refused_before_any_worker_starts(tmp_pat
     assert "is not a writable folder" in err and "Traceback" not in err
 
 
+def test_more_workers_than_the_machine_holds_are_refused(tmp_path, capsys):
+    assert cli.main(["--world-size", "1000", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--world-size 1000 is more worker processes than this machine holds" in err and "at most" in err
+
+
+@pytest.mark.parametrize("absent", ["sklearn", "matplotlib"])
+def test_missing_demo_extras_give_the_install_hint_before_anything_starts(absent, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
+    assert cli.main(["--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("pip install 'puredist[demo]'") and len(err.strip().splitlines()) == 1
+    assert cli.DEMO_EXTRAS[absent] in err
+
+
 def test_help_explains_the_options():
     done = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
     assert done.returncode == 0
@@ -105,7 +123,9 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         line = process.stdout.readline()  # ...then the first progress line: workers are training
         assert "ddp" in line, line
         os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        interrupted = time.monotonic()
         code = process.wait(timeout=60)
+        assert time.monotonic() - interrupted <= 5.0, "Ctrl-C took more than 5 s to exit"
         assert code == 130
         assert "interrupted" in process.stderr.read()
         deadline = time.monotonic() + 30

@@ -9,6 +9,7 @@ output folder.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -94,8 +95,36 @@ def _launch(args: argparse.Namespace) -> dict:
     return elastic_launch(config, worker_main)(job)
 
 
+DEMO_EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
+WORKER_MEMORY_BYTES = 400 * 2**20
+"""About what one worker process needs (torch imported, the model, Gloo's buffers)."""
+
+
+def _missing_extras() -> list[str]:
+    return [package for module, package in DEMO_EXTRAS.items() if importlib.util.find_spec(module) is None]
+
+
+def _most_workers() -> int:
+    """The most workers this machine can hold: 8 per core, and the memory available."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(8 * (os.cpu_count() or 1), available // WORKER_MEMORY_BYTES))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = _missing_extras()
+    if missing:
+        print(f"error: the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'", file=sys.stderr)
+        return 2
+    most = _most_workers()
+    if args.world_size > most:
+        print(
+            f"error: --world-size {args.world_size} is more worker processes than this machine holds "
+            f"({os.cpu_count()} cores, {os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB "
+            f"available, ~{WORKER_MEMORY_BYTES // 2**20} MiB a worker): at most {most} here",
+            file=sys.stderr,
+        )
+        return 2
     problem = _writable_folder(args.output)
     if problem is not None:
         print(f"error: --output {str(args.output)!r} is not a writable folder: {problem}", file=sys.stderr)

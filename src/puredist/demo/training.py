@@ -212,7 +212,8 @@ def worker_main(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        return {algorithm: train(algorithm, config) for algorithm in config["algorithms"]}
+        results = {algorithm: train(algorithm, config) for algorithm in config["algorithms"]}
+        dist.barrier()  # only on success: an interrupted peer never comes to it
+        return results
     finally:
-        dist.barrier()
         dist.destroy_process_group()
