@@ -190,3 +190,61 @@ def _fp16_gradients(rank, world_size):
 def test_the_hook_divides_before_summing_so_fp16_gradients_do_not_overflow():
     for grads in run_workers(_fp16_gradients, 2):
         assert grads["puredist"] == grads["torch"] == 40000.0  # 2 x 40000 would overflow fp16
+
+
+def _resume_from_disk(rank, world_size, how, folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    subgroup, _ = dist.new_subgroups(group_size=2)
+    model, optimizer, hook_state = build(classic, subgroup)
+    for step in range(STEPS):
+        train_step(model, optimizer, rank, step)
+    uninterrupted = params_of(model)
+
+    model, optimizer, hook_state = build(classic, subgroup)
+    for step in range(5):  # saved between averagings (3 and 5): parameters and momentum differ by rank
+        train_step(model, optimizer, rank, step)
+    optimizer.zero_grad(set_to_none=True)
+    if how == "dcp":
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    else:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "hook": hook_state.state_dict()},
+                   f"{folder}/rank{rank}.pt")
+
+    model, optimizer, hook_state = build(classic, subgroup)
+    if how == "dcp":
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        try:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        except RuntimeError as error:
+            assert "another rank's parameters or optimizer state" in str(error)
+            return "refused"
+        hook_state.iter = START_LOCAL_SGD
+    else:
+        saved = torch.load(f"{folder}/rank{rank}.pt")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optim"])
+        hook_state.load_state_dict(saved["hook"])
+    for step in range(5, STEPS):
+        train_step(model, optimizer, rank, step)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted))
+    return "resumed"
+
+
+@pytest.mark.parametrize(
+    "how, world_size, expected",
+    [
+        # at 2 ranks the hook's subgroup of 2 is everybody: ranks never differ, DCP loses nothing
+        ("dcp", 2, "resumed"),
+        # at 4 ranks pairs differ between averagings: DCP keeps rank 0's copy, which is refused
+        ("dcp", 4, "refused"),
+        ("per-rank files", 2, "resumed"),
+        ("per-rank files", 4, "resumed"),
+    ],
+)
+def test_checkpoints_on_disk_resume_bit_for_bit_or_refuse_on_every_rank(how, world_size, expected, tmp_path):
+    assert run_workers(_resume_from_disk, world_size, how, str(tmp_path)) == [expected] * world_size

@@ -11,16 +11,27 @@ Differences on purpose:
 - The zero-learning-rate, zero-gradient step that DCP runs (from
   ``_init_optim_state``) to initialize an empty optimizer state does not advance or
   trigger the averager.
+- Rank-local state is never dropped silently. Between averagings each rank's
+  parameters and optimizer state (momentum) are its own, while
+  ``torch.distributed.checkpoint`` on disk keeps one copy of each key (rank 0's).
+  ``state_dict()`` therefore records, under a key of its own rank, a digest of this
+  rank's parameters and optimizer state; ``load_state_dict()`` compares it (on every
+  rank, with one small all-reduce) and raises on every rank when some rank would
+  resume from another rank's values. Checkpoint such a run per rank (each rank
+  ``torch.save``-s its model and optimizer state dicts to its own file), which
+  resumes bit for bit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import warnings
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from puredist.classic.averagers import ModelAverager
 
@@ -28,6 +39,10 @@ __all__ = ["PostLocalSGDOptimizer"]
 
 AVERAGER_STEP_KEY = "puredist_averager_step"
 """The param-group entry that carries the averager's step through checkpoints."""
+
+LOCAL_DIGEST_KEY = "puredist_local_state_digest"
+"""Prefix of the param-group entry (``<prefix>.rank<r>``) holding a digest of rank
+``r``'s own parameters and optimizer state when it saved."""
 
 
 _DCP_INITIALIZER = ("_init_optim_state", os.path.join("distributed", "checkpoint", "state_dict.py"))
@@ -40,6 +55,24 @@ def _called_by_checkpoint_initialization() -> bool:
     ranks disagree about averaging, and hang)."""
     frame = sys._getframe(2)  # 0: this function, 1: step, 2: step's caller
     return frame.f_code.co_name == _DCP_INITIALIZER[0] and frame.f_code.co_filename.endswith(_DCP_INITIALIZER[1])
+
+
+def _local_digest(params: list[torch.Tensor], state_dict: dict[str, Any]) -> str:
+    """A digest of the parameters' values and of the optimizer state, in parameter
+    order (the ids in ``param_groups``: ints from ``state_dict()``, names through DCP)."""
+    digest = hashlib.blake2b(digest_size=16)
+    ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    state = state_dict["state"]
+    tensors = list(params) + [
+        value for pid in ids for _, value in sorted(state.get(pid, {}).items()) if isinstance(value, torch.Tensor)
+    ]
+    for tensor in tensors:
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _rank() -> int | None:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def _saved_averager_step(state_dict: dict[str, Any]) -> int | None:
@@ -77,19 +110,50 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         ``"step"`` as torch, and in every param group)."""
         state_dict = self.optim.state_dict()
         state_dict["step"] = self.averager.step
+        rank = _rank()
+        digest = _local_digest(self._params(), state_dict) if rank is not None else None
         for group in state_dict["param_groups"]:
             group[AVERAGER_STEP_KEY] = self.averager.step
+            if digest is not None:
+                group[f"{LOCAL_DIGEST_KEY}.rank{rank}"] = digest
         return state_dict
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _check_own_state(self, state_dict: dict[str, Any]) -> None:
+        """Raise on every rank if some rank is about to load state that is not its
+        own (see the module docstring); a checkpoint without digests passes."""
+        rank = _rank()
+        key = f"{LOCAL_DIGEST_KEY}.rank{rank}"
+        saved = next((group[key] for group in state_dict["param_groups"] if key in group), None)
+        if saved is None:
+            return
+        foreign = torch.tensor([float(saved != _local_digest(self._params(), state_dict))])
+        dist.all_reduce(foreign, op=dist.ReduceOp.MAX)
+        if foreign.item():
+            raise RuntimeError(
+                "PostLocalSGDOptimizer.load_state_dict: some rank would resume from another rank's parameters or "
+                "optimizer state (between averagings they differ by rank, and torch.distributed.checkpoint keeps "
+                "one copy of each key); nothing was loaded. Checkpoint per rank instead: each rank torch.save-s "
+                "its model's and this optimizer's state_dict() to a file of its own."
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the local optimizer's state and restore the averager's step.
 
         Warns (and sets the step to 0), as torch does, when no step is saved.
+
+        Raises:
+            RuntimeError: on every rank, when some rank's saved digest does not match
+                the parameters and state it would resume from (its own state was
+                dropped, e.g. by ``torch.distributed.checkpoint`` on disk).
         """
+        self._check_own_state(state_dict)
         step = _saved_averager_step(state_dict)
         inner = dict(state_dict)
         inner["param_groups"] = [
-            {k: v for k, v in group.items() if k != AVERAGER_STEP_KEY}
+            {k: v for k, v in group.items() if k != AVERAGER_STEP_KEY and not k.startswith(LOCAL_DIGEST_KEY)}
             for group in state_dict["param_groups"]
         ]
         self.optim.load_state_dict(inner)
