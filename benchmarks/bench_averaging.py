@@ -60,7 +60,8 @@ def report(kind: str, params, cap: int, times: dict[str, float], memory: dict[st
     numel = sum(p.numel() for p in params)
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     print(f"\n{kind}: {numel / 1e6:.1f}M parameters in {len(params)} tensors, {mib(model_bytes)}, "
-          f"world size {dist.get_world_size()}, bucket cap {mib(cap)}")
+          f"world size {dist.get_world_size()}, bucket cap {mib(cap)} "
+          "(puredist keeps it as its staging pool between calls: not in 'extra peak')")
     bare, torch_time = times["bare all_reduce"], times["torch average_parameters"]
     print(f"  {'method':26s} {'median':>10s} {'vs bare':>8s} {'vs torch':>9s} {'extra peak':>13s}")
     for name, seconds in times.items():
