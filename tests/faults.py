@@ -6,7 +6,9 @@ time. ``when="before"`` ends the process instead of launching call ``k`` (its pe
 wait for it in that collective); ``when="during"`` launches call ``k`` and ends the
 process ``delay_s`` later, while the collective is (very likely) in flight.
 ``how="die"`` is SIGKILL (sockets close: peers fail fast); ``how="freeze"`` is SIGSTOP
-(sockets stay open: peers fail at the process group's timeout).
+(sockets stay open: peers fail at the process group's timeout); ``how="raise"`` makes
+call ``k`` raise in this process instead of launching (it lives on; its peers wait for
+the collective until the timeout).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _SIGNALS = {"die": signal.SIGKILL, "freeze": signal.SIGSTOP}
 def fault_at_collective(k: int, *, how: str = "die", when: str = "during", delay_s: float = 0.02) -> None:
     """From now on, end or stop this process at its ``k``-th (0-based) all-reduce or
     broadcast (see the module docstring)."""
-    sig = _SIGNALS[how]
+    sig = _SIGNALS.get(how)
     calls = {"n": 0}
 
     def strike() -> None:
@@ -35,6 +37,8 @@ def fault_at_collective(k: int, *, how: str = "die", when: str = "during", delay
         def collective(*args, **kwargs):
             index = calls["n"]
             calls["n"] += 1
+            if index == k and how == "raise":
+                raise RuntimeError(f"injected failure launching collective {k}")
             if index == k and when == "before":
                 strike()
             work = original(*args, **kwargs)

@@ -120,3 +120,62 @@ def _async_wait_fails(rank, world_size):
 def test_a_failed_wait_stays_failed_and_writes_nothing():
     results = run_workers(_async_wait_fails, 3, victims=(2,), timeout=60)
     assert results[:2] == [True, True]
+
+
+def _launch_raises(rank, world_size):
+    tensors = [values(rank, i) for i in range(TENSORS)]
+    if rank == 1:
+        fault_at_collective(2, how="raise")  # launching the third bucket raises here
+    with pytest.raises(CollectiveError, match="No tensor holds a partial result") as error:
+        puredist.average_(tensors, collective=DistributedCollective())
+    assert_old_or_mean_as_reported(tensors, error.value, rank, range(world_size))
+    return error.value.failed_bucket
+
+
+def test_an_exception_launching_a_later_bucket_leaves_old_values_or_means_on_both_sides():
+    peer, launcher = run_workers(_launch_raises, 2, timeout=60, gloo_timeout=3, broken=True)
+    assert launcher == 2 and peer >= 2  # the peer waits for that bucket until the timeout
+
+
+def _peer_gone_before_the_check(rank, world_size):
+    import os
+
+    dist.barrier()  # every connection is up
+    if rank == 2:
+        os._exit(0)
+    tensors = [values(rank, i) for i in range(2)]
+    with pytest.raises(CollectiveError, match="failed in the rank check") as error:
+        puredist.average_(tensors, collective=DistributedCollective())
+    assert error.value.failed_bucket is None and error.value.completed_elements == (0, 0)
+    assert all(torch.equal(t, values(rank, i)) for i, t in enumerate(tensors))
+    return True
+
+
+def test_a_peer_gone_before_the_rank_check_is_a_collective_error_that_changed_nothing():
+    assert run_workers(_peer_gone_before_the_check, 3, victims=(2,), timeout=60)[:2] == [True, True]
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
+    from puredist._staged import StagingPool, run_staged
+
+    pool = StagingPool(64)
+    calls = []
+
+    def launch(buffer):
+        calls.append(buffer)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return _Done()
+
+    # 160 bytes: 5 buckets of 32; pool slots are 64-byte aligned, so one bucket is in flight at a
+    # time and buckets 1 and 2 are written back before bucket 3 is launched
+    tensors = [torch.ones(40)]
+    with pytest.raises(CollectiveError, match=r"bucket 3 of 5.*elements \[0, 16\)") as error:
+        run_staged(tensors, 64, launch, what="test", async_op=False, pack=True, pool=pool)
+    assert error.value.completed_elements == (16,)
+    assert pool._memory == {}  # the buffers the failed run handed out are never reused

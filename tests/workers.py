@@ -65,6 +65,7 @@ def run_workers(
     timeout: float = JOB_TIMEOUT_S,
     victims: tuple[int, ...] = (),
     gloo_timeout: float = GLOO_TIMEOUT_S,
+    broken: bool = False,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks.
 
@@ -75,6 +76,8 @@ def run_workers(
             final barrier (the group is broken); every other rank must report.
         gloo_timeout: the process group's timeout (a frozen peer's collectives fail
             after it).
+        broken: the job breaks the group on purpose though every rank lives (an
+            injected exception): nobody meets at the final barrier.
 
     Returns:
         The ranks' return values, by rank.
@@ -90,7 +93,7 @@ def run_workers(
         parent_end, child_end = ctx.Pipe(duplex=True)
         process = ctx.Process(
             target=_worker,
-            args=(rank, world_size, fn, args, child_end, gloo_timeout, not victims),
+            args=(rank, world_size, fn, args, child_end, gloo_timeout, not (victims or broken)),
             daemon=True,
         )
         process.start()

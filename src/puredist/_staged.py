@@ -47,16 +47,22 @@ class CollectiveError(RuntimeError):
             elements (in flat, row-major order; complex tensors counted in real
             components) hold the result; the others hold their values from before the
             call. All zeros: nothing changed.
-        failed_bucket: the index of the bucket whose collective failed.
+        failed_bucket: the index of the bucket whose collective failed (``None``: the
+            rank check before any bucket failed).
         buckets: how many buckets the call had.
+        state: set by :func:`~puredist.outer_optimizer`'s ``update_`` when its
+            lower-level averaging fails after the outer step was applied: the state
+            to continue from.
     """
 
-    def __init__(self, what: str, completed_elements: Sequence[int], totals: Sequence[int], failed_bucket: int, buckets: int, cause: BaseException):
+    def __init__(self, what: str, completed_elements: Sequence[int], totals: Sequence[int], failed_bucket: int | None, buckets: int, cause: BaseException):
         self.completed_elements = tuple(completed_elements)
         self.failed_bucket = failed_bucket
         self.buckets = buckets
+        self.state = None
+        where = "in the rank check" if failed_bucket is None else f"in bucket {failed_bucket + 1} of {buckets}"
         super().__init__(
-            f"{what} failed in bucket {failed_bucket + 1} of {buckets} ({type(cause).__name__}: "
+            f"{what} failed {where} ({type(cause).__name__}: "
             f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''}). No tensor holds a partial "
             f"result: {_progress(self.completed_elements, totals)}. The process group may be broken; "
             "retrying on a working group is safe."
@@ -64,13 +70,14 @@ class CollectiveError(RuntimeError):
 
 
 def _ranges(positions: list[int]) -> str:
-    runs: list[str] = []
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
     for position in positions:
-        if runs and runs[-1].split("-")[-1] == str(position - 1):
-            runs[-1] = f"{runs[-1].split('-')[0]}-{position}"
+        if runs and runs[-1][1] == position - 1:
+            runs[-1][1] = position
         else:
-            runs.append(str(position))
-    return ", ".join(runs)
+            runs.append([position, position])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _progress(completed: Sequence[int], totals: Sequence[int]) -> str:
@@ -86,6 +93,11 @@ def _progress(completed: Sequence[int], totals: Sequence[int]) -> str:
         for i, (c, n) in enumerate(zip(completed, totals)) if 0 < c < n
     ]
     return "; ".join(parts) if parts else "there was nothing to change"
+
+
+def nothing_changed(tensors: Sequence[torch.Tensor], what: str, cause: BaseException) -> CollectiveError:
+    """The error for a collective that failed before any bucket (the rank check)."""
+    return CollectiveError(what, [0] * len(tensors), [t.numel() for t in tensors], None, 0, cause)
 
 
 class _Bucket:
@@ -148,14 +160,12 @@ class _Progress:
         self.completed = [0] * len(tensors)
         self.what = what
         self.buckets = buckets
-        self.finished = 0
 
     def written(self, bucket: Bucket) -> None:
         for piece in bucket.pieces:
             self.completed[piece.index] += piece.stop - piece.start
-        self.finished += 1
 
-    def error(self, failed_bucket: int, cause: BaseException) -> CollectiveError:
+    def error(self, failed_bucket: int | None, cause: BaseException) -> CollectiveError:
         return CollectiveError(self.what, self.completed, self.totals, failed_bucket, self.buckets, cause)
 
 
@@ -289,9 +299,13 @@ def run_staged(
         return _Bucket(position, plan[position], tensors, buffer, launch, **options)
 
     if async_op:
-        return CollectiveHandle(
-            [(staged(k, _fresh_buffer(b, tensors)), progress) for k, b in enumerate(plan)]
-        )
+        launched: list[tuple[_Bucket, _Progress]] = []
+        for position, bucket in enumerate(plan):
+            try:
+                launched.append((staged(position, _fresh_buffer(bucket, tensors)), progress))
+            except Exception as cause:  # noqa: BLE001 - nothing was written: say so
+                raise progress.error(position, cause) from cause
+        return CollectiveHandle(launched)
     needed: dict[torch.device, int] = {}
     for bucket in plan:
         device = tensors[bucket.pieces[0].index].device
@@ -299,27 +313,36 @@ def run_staged(
     room = {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()}
     pending: deque[tuple[_Bucket, tuple[torch.device, int, int]]] = deque()
 
+    def failed(position: int, cause: BaseException) -> CollectiveError:
+        pool.abandon()  # collectives still in flight may write into it
+        return progress.error(position, cause)
+
     def finish_oldest() -> None:
         bucket, _ = pending.popleft()
         try:
             bucket.wait()
         except Exception as cause:  # noqa: BLE001 - re-raised with what was left
-            pool.abandon()  # later buckets' collectives may still write into it
-            raise progress.error(progress.finished, cause) from cause
+            raise failed(bucket.position, cause) from cause
         bucket.write_back()
         progress.written(bucket.bucket)
 
     for position, bucket in enumerate(plan):
         first = tensors[bucket.pieces[0].index]
-        if bucket.nbytes > room[first.device]:  # one non-contiguous tensor larger than the cap
-            while pending:
-                finish_oldest()
-            pending.append((staged(position, _fresh_buffer(bucket, tensors)), (first.device, 0, 0)))
-            continue
-        while (offset := pool.place(bucket.nbytes, first.device, [region for _, region in pending])) is None:
+        oversized = bucket.nbytes > room[first.device]  # one non-contiguous tensor larger than the cap
+        while True:  # wait for room: in the pool, or (oversized) for everything in flight
+            offset = None if oversized else pool.place(bucket.nbytes, first.device, [r for _, r in pending])
+            if offset is not None or (oversized and not pending):
+                break
             finish_oldest()
-        buffer = pool.buffer(first.device, offset, bucket.nbytes, first.dtype)
-        pending.append((staged(position, buffer), (first.device, offset, offset + bucket.nbytes)))
+        try:
+            if oversized:
+                buffer, region = _fresh_buffer(bucket, tensors), (first.device, 0, 0)
+            else:
+                buffer = pool.buffer(first.device, offset, bucket.nbytes, first.dtype)
+                region = (first.device, offset, offset + bucket.nbytes)
+            pending.append((staged(position, buffer), region))
+        except Exception as cause:  # noqa: BLE001 - packing or launching failed: say what was left
+            raise failed(position, cause) from cause
     while pending:
         finish_oldest()
     return None

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
 from puredist._inputs import checked_for_reduction
-from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, run_staged
+from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
 
 __all__ = [
@@ -240,8 +240,16 @@ class DistributedCollective:
             self._check_same(list(tensors), self.process_group, context=context, what=what)
 
     def _check_same(self, tensors: list[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str) -> None:
-        if self.check_consistency:
+        """The rank check; if its own collective fails (a peer is gone), a
+        :class:`CollectiveError` saying that nothing was changed."""
+        if not self.check_consistency:
+            return
+        try:
             check_same_tensors_on_all_ranks(tensors, group, _summary_device(group), context=context, what=what)
+        except RankMismatchError:
+            raise
+        except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
+            raise nothing_changed(tensors, what, cause) from cause
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group

@@ -104,9 +104,17 @@ def _missing_extras() -> list[str]:
     return [package for module, package in DEMO_EXTRAS.items() if importlib.util.find_spec(module) is None]
 
 
-def _most_workers() -> int:
+def _available_memory() -> int:
+    """Bytes of memory available to new processes (``MemAvailable``: free plus reclaimable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _most_workers(available: int) -> int:
     """The most workers this machine can hold: 8 per core, and the memory available."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1, min(8 * (os.cpu_count() or 1), available // WORKER_MEMORY_BYTES))
 
 
@@ -116,11 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"error: the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'", file=sys.stderr)
         return 2
-    most = _most_workers()
+    available = _available_memory()
+    most = _most_workers(available)
     if args.world_size > most:
         print(
             f"error: --world-size {args.world_size} is more worker processes than this machine holds "
-            f"({os.cpu_count()} cores, {os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB "
+            f"({os.cpu_count()} cores, {available / 2**30:.0f} GiB "
             f"available, ~{WORKER_MEMORY_BYTES // 2**20} MiB a worker): at most {most} here",
             file=sys.stderr,
         )
