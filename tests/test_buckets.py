@@ -60,3 +60,17 @@ def test_dtypes_get_buckets_of_their_own_in_order_of_appearance():
     f32, bf16, f32b = torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3)
     buckets = plan_buckets([f32, bf16, f32b], bucket_bytes=1000)
     assert [[p.index for p in b.pieces] for b in buckets] == [[0, 2], [1]]
+
+
+@given(tensors=tensor_lists(), bucket_bytes=st.integers(1, 300), alone_from=st.integers(1, 200))
+def test_large_contiguous_tensors_never_share_a_bucket_when_asked(tensors, bucket_bytes, alone_from):
+    buckets = plan_buckets(tensors, bucket_bytes, alone_from=alone_from)
+    for index, tensor in enumerate(tensors):  # pieces still tile each tensor, in order
+        ranges = [(p.start, p.stop) for b in buckets for p in b.pieces if p.index == index]
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] or not ranges
+        assert (ranges[-1][1] if ranges else 0) == tensor.numel()
+    for bucket in buckets:
+        large = [p.index for p in bucket.pieces
+                 if tensors[p.index].is_contiguous() and tensors[p.index].numel() * tensors[p.index].element_size() >= alone_from]
+        if large:
+            assert {p.index for p in bucket.pieces} == {large[0]}

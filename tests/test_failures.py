@@ -179,3 +179,51 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
         run_staged(tensors, 64, launch, what="test", async_op=False, pack=True, pool=pool)
     assert error.value.completed_elements == (16,)
     assert pool._memory == {}  # the buffers the failed run handed out are never reused
+
+
+class _Failed:
+    def wait(self):
+        raise RuntimeError("injected")
+
+
+def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
+    from puredist._staged import StagingPool, run_staged
+
+    pool = StagingPool(1024)
+    tensors = [torch.ones(40)]  # 160 bytes: 5 buckets of 32
+    seen = []
+
+    def launch(buffer):
+        seen.append(buffer.data_ptr())
+        return _Done()
+
+    run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool).wait()
+    first = list(seen)
+    seen.clear()
+    run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool).wait()
+    assert sorted(seen) == sorted(first)  # the same memory, no new allocation
+
+    failing = run_staged(tensors, 64, lambda b: _Failed(), what="test", async_op=True, pack=True, pool=pool)
+    with pytest.raises(CollectiveError):
+        failing.wait()
+    assert pool._spare_bytes == 0  # the failed run's buffers may still be held by the backend: not reused
+    assert torch.equal(tensors[0], torch.ones(40))
+
+
+def _source_dies_mid_broadcast(rank, world_size):
+    tensors = [values(rank, i) for i in range(TENSORS)]
+    source = world_size - 1
+    if rank == source:
+        fault_at_collective(2, how="die", when="during")
+    with pytest.raises(CollectiveError, match="Broadcast from rank 2 failed") as error:
+        DistributedCollective().broadcast_(tensors, src=source)
+    for index, (tensor, done) in enumerate(zip(tensors, error.value.completed_elements)):
+        assert torch.equal(tensor[:done], values(source, index)[:done])  # the owner's values
+        assert torch.equal(tensor[done:], values(rank, index)[done:])  # or the old ones
+    return list(error.value.completed_elements)
+
+
+def test_a_source_dying_mid_broadcast_leaves_receivers_with_old_or_sent_values_as_reported():
+    # a receiver may wait for data the dead source no longer relays: Gloo's timeout ends it
+    first, second = run_workers(_source_dies_mid_broadcast, 3, victims=(2,), timeout=60, gloo_timeout=5)[:2]
+    assert first is not None and second is not None

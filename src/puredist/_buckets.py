@@ -46,13 +46,16 @@ class Bucket(NamedTuple):
     nbytes: int
 
 
-def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *, alone_from: int | None = None) -> list[Bucket]:
     """Stream ``tensors`` into buckets of at most ``bucket_bytes`` of one device and dtype.
 
     Args:
         tensors: the tensors to reduce, in the (rank-consistent) order given.
         bucket_bytes: the staging size of one bucket, ``>= 1`` (a bucket holds at least
             one element, and a non-contiguous tensor whole).
+        alone_from: contiguous tensors of at least this many bytes get buckets of
+            their own (cut at ``bucket_bytes``), never shared with another tensor: a
+            broadcast source then sends them from their own storage, with no copy.
 
     Returns:
         The buckets, in the order their collectives are issued; every element of every
@@ -82,6 +85,9 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Buc
                 pieces.append(Piece(index, 0, numel))
                 used += numel * size
                 continue
+            alone = alone_from is not None and numel * size >= alone_from
+            if alone:
+                close()
             start = 0
             while start < numel:
                 room = (bucket_bytes - used) // size
@@ -92,5 +98,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[Buc
                 pieces.append(Piece(index, start, stop))
                 used += (stop - start) * size
                 start = stop
+            if alone:
+                close()
         close()
     return buckets

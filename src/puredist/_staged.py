@@ -107,23 +107,32 @@ class _Bucket:
         position: the bucket's index in the plan.
         bucket: the pieces the buffer holds.
         tensors: the full tensor list the pieces index.
-        buffer: the staging buffer (``bucket.nbytes`` bytes, the tensors' dtype).
+        staging: gives the staging buffer (``bucket.nbytes`` bytes, the tensors'
+            dtype); not called for a bucket sent from the tensor's own storage.
         launch: starts the collective on the buffer.
         pack: copy the tensors' values into the buffer first (a broadcast receiver
             does not: the collective only writes it).
         scales: ``scales(dtype) -> (before, after)``: divide the buffer by ``before``
             ahead of the collective and by ``after`` once it is done (``None``: no).
         write_back: copy the result into the tensors (a broadcast source does not).
+        release: called with the staging buffer once it is written back (not after a
+            failure: the backend may still hold it).
     """
 
-    def __init__(self, position: int, bucket: Bucket, tensors, buffer: torch.Tensor, launch: Launch, *, pack: bool, scales: Scales, write_back: bool):
+    def __init__(self, position: int, bucket: Bucket, tensors, staging: Callable[[], torch.Tensor], launch: Launch, *, pack: bool, scales: Scales, write_back: bool, release=None):
         self.position = position
         self.bucket = bucket
         self._targets = [_piece_of(tensors[p.index], p) for p in bucket.pieces]
+        scale_before, self._scale_after = scales(self._targets[0].dtype)
+        self._write_back = write_back
+        self._release = release
+        self._staging = None
+        if pack and not write_back and scale_before is None and len(self._targets) == 1 and self._targets[0].is_contiguous():
+            buffer, pack = self._targets[0].view(-1), False  # a source only reads: send from its own storage
+        else:
+            buffer = self._staging = staging()
         self._views = [view.view(target.shape) for view, target in zip(buffer.split([t.numel() for t in self._targets]), self._targets)]
         self._buffer = buffer
-        scale_before, self._scale_after = scales(buffer.dtype)
-        self._write_back = write_back
         if pack:
             torch._foreach_copy_(self._views, self._targets)
             if scale_before is not None:
@@ -142,7 +151,9 @@ class _Bucket:
                 torch.div(view, self._scale_after, out=target)
         elif self._write_back:
             torch._foreach_copy_(self._targets, self._views)
-        self._buffer = self._views = self._work = None
+        if self._release is not None and self._staging is not None:
+            self._release(self._staging)
+        self._buffer = self._views = self._work = self._staging = None
 
 
 def _piece_of(tensor: torch.Tensor, piece) -> torch.Tensor:
@@ -215,10 +226,12 @@ class CollectiveHandle:
 
 
 class StagingPool:
-    """Staging memory for blocking runs, kept between them (allocating it anew for
-    every call would fault its pages in every time): one buffer per device of at most
+    """Staging memory kept between runs (allocating it anew for every call would fault
+    its pages in every time). Blocking runs share one buffer per device of at most
     ``capacity`` bytes, grown to what a call needs, handed out in issue order as a
-    ring (buckets finish in issue order). One pool serves one thread.
+    ring (buckets finish in issue order). Asynchronous runs :meth:`take` buffers of
+    their own and :meth:`give_back` them once written back; up to ``capacity`` bytes of
+    those are kept as spares. One pool serves one thread.
 
     After a failed run the buffers are dropped (the backend may still hold the failed
     collectives' views of them); the next run allocates new ones.
@@ -228,6 +241,25 @@ class StagingPool:
         self.capacity = _aligned(capacity)
         self._memory: dict[torch.device, torch.Tensor] = {}
         self._head: dict[torch.device, int] = {}
+        self._spare: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+        self._spare_bytes = 0
+
+    def take(self, nbytes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for an asynchronous run: a spare one of that size if kept (a fresh
+        allocation faults its pages in every time), else a new one."""
+        spares = self._spare.get((device, nbytes))
+        if spares:
+            self._spare_bytes -= nbytes
+            return spares.pop().view(dtype)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Keep a buffer from :meth:`take` whose collective succeeded, for the next
+        asynchronous run, while the spares stay within ``capacity`` bytes."""
+        nbytes = buffer.numel() * buffer.element_size()
+        if self._spare_bytes + nbytes <= self.capacity:
+            self._spare.setdefault((buffer.device, nbytes), []).append(buffer.view(torch.uint8))
+            self._spare_bytes += nbytes
 
     def reserve(self, nbytes: int, device: torch.device) -> int:
         """Make the buffer on ``device`` hold ``min(nbytes, capacity)`` bytes; return its size."""
@@ -271,6 +303,7 @@ def run_staged(
     pool: StagingPool,
     scales: Scales = no_scaling,
     write_back: bool = True,
+    alone_from: int | None = None,
 ) -> CollectiveHandle | None:
     """Issue ``launch`` over the bucket plan of ``tensors`` (buckets of half of
     ``bucket_cap_bytes``), in order, with the semantics of the module docstring.
@@ -281,8 +314,11 @@ def run_staged(
         launch: starts one bucket's asynchronous collective.
         what: the operation, for errors.
         async_op: return a handle instead of blocking.
-        pool: the staging memory of blocking runs.
-        pack, scales, write_back: see :class:`_Bucket`.
+        pool: the staging memory.
+        pack, scales, write_back: see :class:`_Bucket`. A bucket that is one contiguous
+            piece, packed and not written back (a broadcast source), is sent from the
+            tensor's own storage.
+        alone_from: see :func:`~puredist._buckets.plan_buckets`.
 
     Returns:
         ``None``, or the :class:`CollectiveHandle` when ``async_op``.
@@ -291,18 +327,20 @@ def run_staged(
         CollectiveError: (blocking runs) a collective failed; the error says which
             elements hold the result.
     """
-    plan = plan_buckets(tensors, max(1, bucket_cap_bytes // 2))
+    plan = plan_buckets(tensors, max(1, bucket_cap_bytes // 2), alone_from=alone_from)
     progress = _Progress(tensors, what, len(plan))
     options = dict(pack=pack, scales=scales, write_back=write_back)
 
-    def staged(position: int, buffer: torch.Tensor) -> _Bucket:
-        return _Bucket(position, plan[position], tensors, buffer, launch, **options)
+    def staged(position: int, staging: Callable[[], torch.Tensor], release=None) -> _Bucket:
+        return _Bucket(position, plan[position], tensors, staging, launch, **options, release=release)
 
     if async_op:
         launched: list[tuple[_Bucket, _Progress]] = []
         for position, bucket in enumerate(plan):
+            first = tensors[bucket.pieces[0].index]
+            take = lambda b=bucket, t=first: pool.take(b.nbytes, t.device, t.dtype)  # noqa: E731
             try:
-                launched.append((staged(position, _fresh_buffer(bucket, tensors)), progress))
+                launched.append((staged(position, take, pool.give_back), progress))
             except Exception as cause:  # noqa: BLE001 - nothing was written: say so
                 raise progress.error(position, cause) from cause
         return CollectiveHandle(launched)
@@ -336,11 +374,11 @@ def run_staged(
             finish_oldest()
         try:
             if oversized:
-                buffer, region = _fresh_buffer(bucket, tensors), (first.device, 0, 0)
+                take, region = (lambda b=bucket: _fresh_buffer(b, tensors)), (first.device, 0, 0)
             else:
-                buffer = pool.buffer(first.device, offset, bucket.nbytes, first.dtype)
+                take = lambda o=offset, b=bucket, t=first: pool.buffer(t.device, o, b.nbytes, t.dtype)  # noqa: E731
                 region = (first.device, offset, offset + bucket.nbytes)
-            pending.append((staged(position, buffer), region))
+            pending.append((staged(position, take), region))
         except Exception as cause:  # noqa: BLE001 - packing or launching failed: say what was left
             raise failed(position, cause) from cause
     while pending:

@@ -50,6 +50,10 @@ __all__ = [
     "subgroup",
 ]
 
+BROADCAST_IN_PLACE_MIN_BYTES = 2**20
+"""A broadcast source sends contiguous tensors from this size up from their own
+storage (receivers still stage them, so a failed receive leaves them untouched)."""
+
 DEFAULT_BUCKET_CAP_BYTES = 32 * 2**20
 """Staging memory one averaging may use beyond the parameters: 32 MiB."""
 
@@ -308,6 +312,7 @@ class DistributedCollective:
             pool=self._pool,
             pack=is_source,
             write_back=not is_source,
+            alone_from=BROADCAST_IN_PLACE_MIN_BYTES,
         )
 
 
