@@ -16,7 +16,8 @@ import puredist.classic.averagers as averagers
 # Before: from torch.distributed.optim import PostLocalSGDOptimizer
 # Before: from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
 #             PostLocalSGDState, post_localSGD_hook)
-from puredist.classic import PostLocalSGDOptimizer, PostLocalSGDState, post_localSGD_hook
+from puredist.classic import PostLocalSGDOptimizer
+from puredist.classic.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)

@@ -117,3 +117,29 @@ def _resources_after_constructions(rank, world_size):
 def test_constructing_hierarchical_averagers_does_not_leak_process_groups():
     for first, last in run_workers(_resources_after_constructions, 4):
         assert last == first, f"file descriptors and threads grew from {first} to {last}"
+
+
+TORCH_MODULES = {
+    "averagers": "torch.distributed.algorithms.model_averaging.averagers",
+    "utils": "torch.distributed.algorithms.model_averaging.utils",
+    "hierarchical_model_averager": "torch.distributed.algorithms.model_averaging.hierarchical_model_averager",
+    "post_localSGD_hook": "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook",
+    "post_localSGD_optimizer": "torch.distributed.optim.post_localSGD_optimizer",
+    "zero_redundancy_optimizer": "torch.distributed.optim.zero_redundancy_optimizer",
+    "ddp_zero_hook": "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook",
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_MODULES))
+def test_submodules_are_modules_with_torchs_public_names(name):
+    """torch's idiom ``from ... import post_localSGD_hook as post_localSGD`` then
+    ``post_localSGD.PostLocalSGDState`` must survive swapping the import."""
+    import importlib
+    import types
+
+    ours = getattr(classic, name)
+    assert isinstance(ours, types.ModuleType)
+    assert ours is importlib.import_module(f"puredist.classic.{name}")
+    theirs = importlib.import_module(TORCH_MODULES[name])
+    wanted = set(getattr(theirs, "__all__", ())) or {n for n in ours.__all__}
+    assert wanted <= set(dir(ours)), sorted(wanted - set(dir(ours)))

@@ -14,6 +14,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from puredist import classic
+from puredist.classic import post_localSGD_hook as our_hook
 from models import make_model
 from workers import run_workers
 
@@ -22,6 +23,12 @@ TORCH = types.SimpleNamespace(
     post_localSGD_hook=torch_hook.post_localSGD_hook,
     PostLocalSGDOptimizer=TorchPostLocalSGDOptimizer,
     PeriodicModelAverager=torch_averagers.PeriodicModelAverager,
+)
+PUREDIST = types.SimpleNamespace(
+    PostLocalSGDState=our_hook.PostLocalSGDState,
+    post_localSGD_hook=our_hook.post_localSGD_hook,
+    PostLocalSGDOptimizer=classic.PostLocalSGDOptimizer,
+    PeriodicModelAverager=classic.PeriodicModelAverager,
 )
 START_LOCAL_SGD = 3
 STEPS = 11  # averagings at 3, 5, 7, 9; the last step is local
@@ -57,7 +64,7 @@ def params_of(model):
 def _side_by_side(rank, world_size):
     subgroup, _ = dist.new_subgroups(group_size=2)
     reference = build(TORCH, subgroup)
-    ours = build(classic, subgroup)
+    ours = build(PUREDIST, subgroup)
     for step in range(STEPS):
         train_step(reference[0], reference[1], rank, step)
         train_step(ours[0], ours[1], rank, step)
@@ -78,7 +85,7 @@ def test_post_local_sgd_matches_torch_bitwise():
 
 def _closure_step(rank, world_size):
     subgroup, _ = dist.new_subgroups(group_size=1)
-    model, optimizer, _ = build(classic, subgroup)
+    model, optimizer, _ = build(PUREDIST, subgroup)
     inputs, targets = batch(rank, 0)
 
     def closure():
@@ -99,12 +106,12 @@ def test_step_accepts_a_closure_and_returns_its_loss():
 
 def _resume(rank, world_size, how, momentum):
     subgroup, _ = dist.new_subgroups(group_size=2)
-    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    model, optimizer, hook_state = build(PUREDIST, subgroup, momentum)
     for step in range(STEPS):
         train_step(model, optimizer, rank, step)
     uninterrupted = params_of(model)
 
-    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    model, optimizer, hook_state = build(PUREDIST, subgroup, momentum)
     for step in range(5):
         train_step(model, optimizer, rank, step)
     optimizer.zero_grad(set_to_none=True)  # as before a checkpoint: no grads left
@@ -119,7 +126,7 @@ def _resume(rank, world_size, how, momentum):
     assert all(torch.equal(a, b) for a, b in zip(before_save, params_of(model)))
     hook_checkpoint = hook_state.state_dict()
 
-    model, optimizer, hook_state = build(classic, subgroup, momentum)
+    model, optimizer, hook_state = build(PUREDIST, subgroup, momentum)
     model.load_state_dict(model_state)
     if how == "dcp":
         set_optimizer_state_dict(model, optimizer, optimizer_state)
@@ -141,7 +148,7 @@ def test_a_restart_continues_the_same_trajectory(how, momentum):
 
 
 def _missing_step_warns(rank, world_size):
-    model, optimizer, _ = build(classic, None)
+    model, optimizer, _ = build(PUREDIST, None)
     saved = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).state_dict()
     optimizer.averager.step = 7
     with pytest.warns(UserWarning, match="does not contain a step counter"):
@@ -155,7 +162,7 @@ def test_loading_a_plain_optimizer_state_warns_and_resets_the_step():
 
 def _zero_lr_with_rank_local_zero_grads(rank, world_size):
     steps = {}
-    for name, impl in (("torch", TORCH), ("puredist", classic)):
+    for name, impl in (("torch", TORCH), ("puredist", PUREDIST)):
         torch.manual_seed(rank)
         model = torch.nn.Linear(2, 1)
         optimizer = impl.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), impl.PeriodicModelAverager(period=2))
@@ -176,7 +183,7 @@ def test_a_zero_learning_rate_step_averages_like_torch_on_every_rank():
 
 def _fp16_gradients(rank, world_size):
     grads = {}
-    for name, impl in (("torch", TORCH), ("puredist", classic)):
+    for name, impl in (("torch", TORCH), ("puredist", PUREDIST)):
         module = torch.nn.Linear(1, 1, bias=False).half()
         with torch.no_grad():
             module.weight.fill_(1.0)
@@ -197,12 +204,12 @@ def _resume_from_disk(rank, world_size, how, folder):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     subgroup, _ = dist.new_subgroups(group_size=2)
-    model, optimizer, hook_state = build(classic, subgroup)
+    model, optimizer, hook_state = build(PUREDIST, subgroup)
     for step in range(STEPS):
         train_step(model, optimizer, rank, step)
     uninterrupted = params_of(model)
 
-    model, optimizer, hook_state = build(classic, subgroup)
+    model, optimizer, hook_state = build(PUREDIST, subgroup)
     for step in range(5):  # saved between averagings (3 and 5): parameters and momentum differ by rank
         train_step(model, optimizer, rank, step)
     optimizer.zero_grad(set_to_none=True)
@@ -213,7 +220,7 @@ def _resume_from_disk(rank, world_size, how, folder):
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "hook": hook_state.state_dict()},
                    f"{folder}/rank{rank}.pt")
 
-    model, optimizer, hook_state = build(classic, subgroup)
+    model, optimizer, hook_state = build(PUREDIST, subgroup)
     if how == "dcp":
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

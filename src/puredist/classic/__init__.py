@@ -8,13 +8,18 @@ Swap the import, keep the code::
 The submodules mirror torch's module names (``averagers``, ``utils``,
 ``hierarchical_model_averager``, ``post_localSGD_optimizer``,
 ``post_localSGD_hook``, ``zero_redundancy_optimizer``, ``ddp_zero_hook``) for
-module-level imports.
+module-level imports. ``puredist.classic.post_localSGD_hook`` is the module, as in
+torch (``post_localSGD_hook.post_localSGD_hook`` is the hook)::
+
+    from puredist.classic import post_localSGD_hook as post_localSGD
+    model.register_comm_hook(post_localSGD.PostLocalSGDState(None, None, 10), post_localSGD.post_localSGD_hook)
 """
 
 from puredist.classic.averagers import ModelAverager, PeriodicModelAverager
 from puredist.classic.ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from puredist.classic.hierarchical_model_averager import HierarchicalModelAverager
-from puredist.classic.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from puredist.classic import post_localSGD_hook
+from puredist.classic.post_localSGD_hook import PostLocalSGDState
 from puredist.classic.post_localSGD_optimizer import PostLocalSGDOptimizer
 from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from puredist.classic.utils import (
@@ -29,7 +34,7 @@ __all__ = [
     "HierarchicalModelAverager",
     "PostLocalSGDOptimizer",
     "PostLocalSGDState",
-    "post_localSGD_hook",
+    "post_localSGD_hook",  # the module
     "average_parameters",
     "get_params_to_average",
     "average_parameters_or_parameter_groups",
