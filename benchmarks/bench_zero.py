@@ -1,7 +1,8 @@
-"""ZeRO benchmark on 2 local Gloo ranks, Adam: time per iteration of DDP + Adam,
-torch's ZeroRedundancyOptimizer (not overlapped) and puredist's ZeRO overlapped with
-DDP (both hooks); optimizer-state bytes per rank and collective payload per
-iteration. Run with ``make bench`` (or
+"""ZeRO benchmark on 2 local Gloo ranks, for Adam (which torch's overlap hooks
+support) and RMSprop: time per iteration of DDP + the plain optimizer, torch's
+ZeroRedundancyOptimizer (not overlapped), puredist's not overlapped and overlapped
+with DDP (both hooks), each against DDP with the same optimizer in the same run;
+optimizer-state bytes per rank and collective payload per iteration. Run with ``make bench`` (or
 ``python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_zero.py``).
 
 torch's own overlap hooks refuse Gloo ("may meet hangs"), so they are not in the table.
@@ -56,48 +57,53 @@ def main() -> None:
             optimizer.step()
         optimizer.zero_grad()
 
-    runs = {}
-    model = DDP(make_model(args.layers, args.width))
-    runs["DDP + Adam"] = (model, torch.optim.Adam(model.parameters(), lr=1e-4), False)
-    model = DDP(make_model(args.layers, args.width))
-    runs["torch ZeRO (no overlap)"] = (model, TorchZero(model.parameters(), torch.optim.Adam, lr=1e-4), False)
-    for name, wrap in (("puredist ZeRO overlap", hook_with_zero_step), ("puredist ZeRO interleaved", hook_with_zero_step_interleaved)):
+    def built(wrap=None, **zero_kwargs):
         model = DDP(make_model(args.layers, args.width))
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=1e-4)
+        if wrap is None:
+            return model
+        zero = ZeroRedundancyOptimizer(model.parameters(), zero_kwargs.pop("optimizer_class"), **zero_kwargs)
         model.register_comm_hook(None, wrap(allreduce_hook, model, zero))
-        runs[name] = (model, zero, True)
+        return model, zero
 
-    methods = {name: (lambda run=run: iteration(*run)) for name, run in runs.items()}
-    for fn in methods.values():  # first steps create the unsharded optimizers' state
+    runs = {}  # name: (model, optimizer, overlapped, the DDP run it is compared to)
+    for family, optimizer_class in (("Adam", torch.optim.Adam), ("RMSprop", torch.optim.RMSprop)):
+        baseline = f"DDP + {family}"
+        model = built()
+        runs[baseline] = (model, optimizer_class(model.parameters(), lr=1e-4), False, baseline)
+        model = built()
+        runs[f"torch ZeRO {family}"] = (model, TorchZero(model.parameters(), optimizer_class, lr=1e-4), False, baseline)
+        model = built()
+        runs[f"puredist ZeRO {family}"] = (
+            model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class, lr=1e-4), False, baseline)
+        for kind, wrap in (("overlap", hook_with_zero_step), ("interleaved", hook_with_zero_step_interleaved)):
+            model, zero = built(wrap, optimizer_class=optimizer_class, overlap_with_ddp=True, lr=1e-4)
+            runs[f"puredist ZeRO {family} {kind}"] = (model, zero, True, baseline)
+
+    methods = {name: (lambda run=run: iteration(*run[:3])) for name, run in runs.items()}
+    for fn in methods.values():  # first steps create the optimizers' state
         fn()
     times = interleaved_medians(methods, args.repeats)
 
+    def local_state(optimizer) -> int:
+        held = optimizer.optim.state if hasattr(optimizer, "optim") else optimizer.state
+        return state_bytes(s.values() for s in held.values())
+
     param_bytes = sum(p.numel() * p.element_size() for p in runs["DDP + Adam"][0].parameters())
-    full_state = state_bytes(s.values() for s in runs["DDP + Adam"][1].state.values())
-    torch_state = state_bytes(s.values() for s in runs["torch ZeRO (no overlap)"][1].optim.state.values())
-    ours_state = state_bytes(runs["puredist ZeRO overlap"][1].zero_state.owned)
-    state = {
-        "DDP + Adam": full_state,
-        "torch ZeRO (no overlap)": torch_state,
-        "puredist ZeRO overlap": ours_state,
-        "puredist ZeRO interleaved": state_bytes(runs["puredist ZeRO interleaved"][1].zero_state.owned),
-    }
-    # Collective payload per iteration: DDP all-reduces every gradient; both ZeROs add
-    # one broadcast of every parameter from its owner (torch's overlap would too).
-    payload = {name: param_bytes * (1 if name == "DDP + Adam" else 2) for name in runs}
-    states = torch.tensor([state[name] for name in runs], dtype=torch.float64)
+    # Collective payload per iteration: DDP all-reduces every gradient; every ZeRO adds
+    # one broadcast of every parameter from its owner.
+    payload = {name: param_bytes * (1 if name.startswith("DDP") else 2) for name in runs}
+    states = torch.tensor([local_state(run[1]) for run in runs.values()], dtype=torch.float64)
     gathered = [torch.empty_like(states) for _ in range(world_size)]
     dist.all_gather(gathered, states)
-    worst_state = torch.stack(gathered).max(0).values.tolist()
+    worst_state = dict(zip(runs, torch.stack(gathered).max(0).values.tolist()))
 
     if rank == 0:
         numel = sum(p.numel() for p in runs["DDP + Adam"][0].parameters())
-        print(f"\n{numel / 1e6:.1f}M parameters ({mib(param_bytes)}), Adam, batch {args.batch}, world size {world_size}")
-        base = times["DDP + Adam"]
-        print(f"  {'method':28s} {'iteration':>10s} {'vs DDP':>7s} {'state/rank (max)':>18s} {'vs full':>8s} {'payload':>13s}")
-        for (name, seconds), worst in zip(times.items(), worst_state):
-            print(f"  {name:28s} {seconds * 1e3:8.1f}ms {seconds / base:6.2f}x {mib(worst):>18s} "
-                  f"{worst / full_state:7.2f}x {mib(payload[name])}")
+        print(f"\n{numel / 1e6:.1f}M parameters ({mib(param_bytes)}), batch {args.batch}, world size {world_size}")
+        print(f"  {'method':34s} {'iteration':>10s} {'vs DDP':>7s} {'state/rank (max)':>18s} {'vs full':>8s} {'payload':>13s}")
+        for name, (_, _, _, baseline) in runs.items():
+            print(f"  {name:34s} {times[name] * 1e3:8.1f}ms {times[name] / times[baseline]:6.2f}x "
+                  f"{mib(worst_state[name]):>18s} {worst_state[name] / worst_state[baseline]:7.2f}x {mib(payload[name])}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ for step in range(args.steps):
         print(f"step {step:4d}  loss {loss.item():.4f}")
 
 moved = all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-owned = len(zero.zero_state.owned)
+owned = len(zero.optim.state)  # the local optimizer holds the owned parameters' state
 print(f"rank {rank}: owns the AdamW state of {owned} of {len(before)} parameters; every parameter moved: {moved}")
 dist.barrier()  # nobody leaves while a peer still talks
 dist.destroy_process_group()

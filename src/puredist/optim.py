@@ -23,7 +23,7 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -208,10 +208,3 @@ def adamw(
     """
     return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled=True)
 
-
-OPTIMIZERS: Mapping[type, Callable[..., Optimizer]] = {
-    torch.optim.SGD: sgd,
-    torch.optim.Adam: adam,
-    torch.optim.AdamW: adamw,
-}
-"""The ``torch.optim`` classes puredist has a functional twin for."""

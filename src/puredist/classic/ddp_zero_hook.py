@@ -66,7 +66,7 @@ class _OverlappedIteration:
     def _step(self, future: torch.futures.Future, indices: list[int]) -> None:
         reduced = future.wait()
         flat = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
-        params = self._zero._params()
+        params = self._zero._all_params
         grads: list[torch.Tensor | None] = [None] * len(params)
         pieces = flat.split([params[i].numel() for i in indices])
         for i, piece in zip(indices, pieces):
@@ -92,7 +92,7 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
             "parameters' .grad untouched while their bucket slots hold zeros, so the step cannot tell "
             "them apart. Use find_unused_parameters=False, or the non-overlapped ZeroRedundancyOptimizer."
         )
-    params = zero._params()
+    params = zero._all_params
     index_of = {id(p): i for i, p in enumerate(params)}
     ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
     if sorted(index_of.get(id(p), -1) for p in ddp_params) != list(range(len(params))):

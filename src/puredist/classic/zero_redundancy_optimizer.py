@@ -1,32 +1,36 @@
 """Drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 
-The optimizer state is sharded by a :class:`~puredist.sharding.ZeroPlan` computed
-at construction (no lazy initialization: the first ``step()`` already updates, and
-``load_state_dict()`` works before it), and every step is the pure core's
-:func:`~puredist.zero.zero` ``update_subset_``. Supported local optimizers: the
-``torch.optim`` classes with a functional twin in :mod:`puredist.optim` (SGD, Adam,
-AdamW); the math is torch's own kernels.
+As in torch, each rank runs a real local optimizer, ``zero.optim`` (an instance of
+``optimizer_class``), over the parameters it owns, and the owners broadcast the new
+values. What is puredist's: the ownership plan (:func:`~puredist.sharding.plan_zero`,
+largest first, fixed at construction: no lazy initialization, so the first ``step()``
+already updates and ``load_state_dict()`` works before it), the staged broadcasts
+(a receiver's parameter holds its old value or the owner's, never a partial one), the
+rank checks (:class:`~puredist.RankMismatchError` instead of a hang), and, with
+``overlap_with_ddp``, a step that runs inside DDP's backward on Gloo too
+(:mod:`puredist.classic.ddp_zero_hook`).
 
-Differences on purpose: parameters on several devices are refused (one device per
-optimizer); ``parameters_as_bucket_view`` is accepted and has no effect (parameters
-are updated and broadcast in their own storage, never re-bound); ``state_dict()``
-after ``consolidate_state_dict()`` is the plain ``torch.optim`` format of the whole
-optimizer, loadable into the non-sharded ``optimizer_class``.
+Differences on purpose: parameters of several dtypes are accepted (torch refuses
+them); parameters on several devices are refused (one device per optimizer);
+``parameters_as_bucket_view`` is accepted and has no effect (parameters are updated
+and broadcast in their own storage, never re-bound); ``load_state_dict`` checks every
+entry on every rank before changing anything and never modifies its argument.
 """
 
 from __future__ import annotations
 
-import inspect
+import copy
 import logging
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from puredist.collectives import CollectiveHandle, DistributedCollective
-from puredist.optim import OPTIMIZERS, Optimizer
 from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero import ZeroState, zero
+from puredist.zero import broadcast_from_owners_
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -37,37 +41,125 @@ _NOT_CONSOLIDATED = (
     "`consolidate_state_dict(to)` on all ranks beforehand if you meant to save the global state."
 )
 
+OVERLAP_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.Adamax,
+)
+"""The optimizers ``overlap_with_ddp=True`` accepts: torch's own list there (those
+with a functional form, whose state is per parameter)."""
 
-_IMPLEMENTATION_ONLY = ("fused", "capturable", "differentiable")
-"""torch.optim keywords accepted only when off: puredist runs torch's foreach or
-single-tensor kernels, never the fused, capturable or differentiable ones."""
+_KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
+    # class: (state fields shaped like the parameter, scalar state fields)
+    torch.optim.SGD: (frozenset({"momentum_buffer"}), frozenset()),
+    torch.optim.Adam: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
+    torch.optim.AdamW: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
+    torch.optim.Adagrad: (frozenset({"sum"}), frozenset({"step"})),
+    torch.optim.Adadelta: (frozenset({"square_avg", "acc_delta"}), frozenset({"step"})),
+    torch.optim.RMSprop: (frozenset({"square_avg", "momentum_buffer", "grad_avg"}), frozenset({"step"})),
+    torch.optim.Rprop: (frozenset({"prev", "step_size"}), frozenset({"step"})),
+    torch.optim.Adamax: (frozenset({"exp_avg", "exp_inf"}), frozenset({"step"})),
+    torch.optim.NAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step", "mu_product"})),
+    torch.optim.RAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step"})),
+}
+"""Per-parameter state layouts of torch's optimizers, to recognise a checkpoint of
+another optimizer at load. Subclasses and other optimizers are not checked by field."""
 
 
-def _supported_names() -> str:
-    return ", ".join(f"torch.optim.{cls.__name__}" for cls in OPTIMIZERS)
+def _listed_params(params: Any) -> list:
+    """``params`` as a list, with torch's errors for what an optimizer cannot take."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
+    try:
+        listed = list(params)
+    except TypeError as error:
+        raise TypeError(f"`params` argument should be an iterable of Tensors or dicts, but got {torch.typename(params)}") from error
+    if not listed:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    return listed
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+def _check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> None:
+    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ValueError(f"Arg ``optimizer_class`` must be a torch.optim.Optimizer subclass, got {name}.")
+    if overlap_with_ddp and optimizer_class not in OVERLAP_OPTIMIZERS:
+        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in OVERLAP_OPTIMIZERS)
+        raise ValueError(
+            f"Arg ``optimizer_class`` {name} is not supported with `overlap_with_ddp=True` "
+            f"(its step must be per parameter); supported: {supported}."
+        )
+
+
+def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
+    """Copy every setting but ``params`` from each group of ``source`` to ``target``'s."""
+    for source_group, target_group in zip(source, target, strict=True):
+        target_group.update(_hyper_parameters(source_group))
+
+
+@contextmanager
+def _gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Iterator[None]:
+    """Give ``params`` the ``.grad`` ``grads`` for the duration; restore the old ones."""
+    saved = [p.grad for p in params]
+    try:
+        for p, g in zip(params, grads):
+            p.grad = g
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank shadows the others' steps: it steps its own shard with the
+    gradients it holds and takes part in the broadcasts."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer") -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """Shards an optimizer's state across the ranks of ``process_group`` (ZeRO-1).
 
     Args:
-        params: parameters or param-group dicts (several groups unless
+        params: parameters or param-group dicts (one group only with
             ``overlap_with_ddp``).
-        optimizer_class: ``torch.optim.SGD``, ``torch.optim.Adam`` or
-            ``torch.optim.AdamW``.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass (custom ones
+            included); with ``overlap_with_ddp`` one of :data:`OVERLAP_OPTIMIZERS`.
         process_group: the group to shard over (``None``: WORLD).
         parameters_as_bucket_view: accepted for compatibility; no effect.
         overlap_with_ddp: the step runs inside DDP's backward through
             :func:`~puredist.classic.hook_with_zero_step` (or its interleaved
             variant); :meth:`step` then does nothing.
-        **defaults: the local optimizer's hyper-parameters (``lr=...``).
+        **defaults: the local optimizer's arguments (``lr=...``), passed to
+            ``optimizer_class`` as they are.
+
+    Attributes:
+        optim: this rank's local optimizer, an ``optimizer_class`` over the
+            parameters this rank owns (one param group per group of this optimizer,
+            possibly empty); its ``state`` is this rank's shard of the state.
+        plan: the :class:`~puredist.sharding.ZeroPlan` (who owns which parameter,
+            in the order of ``param_groups``).
 
     Raises:
-        ValueError: unsupported ``optimizer_class`` (the message names the
-            supported ones), several param groups with ``overlap_with_ddp``,
-            parameters on several devices, bad hyper-parameters.
-        TypeError: a keyword argument ``optimizer_class`` does not take.
-        ValueError: ``fused``, ``capturable`` or ``differentiable`` switched on.
+        TypeError: ``params`` is a tensor or not iterable, or holds something
+            other than tensors; a keyword argument ``optimizer_class`` does not take.
+        ValueError: ``params`` empty or sparse; parameters on several devices;
+            ``optimizer_class`` not an optimizer (or not supported with
+            ``overlap_with_ddp``); several param groups with ``overlap_with_ddp``;
+            bad hyper-parameters (as ``optimizer_class`` raises them).
         RankMismatchError: ranks hold different parameter layouts (every rank).
     """
 
@@ -80,154 +172,171 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ):
-        if optimizer_class not in OPTIMIZERS:
-            raise ValueError(
-                f"Arg ``optimizer_class`` {getattr(optimizer_class, '__name__', optimizer_class)!r} is not "
-                f"supported by puredist's ZeroRedundancyOptimizer; supported: {_supported_names()}."
-            )
-        self._factory = OPTIMIZERS[optimizer_class]
-        self._factory_args = tuple(inspect.signature(self._factory).parameters)
-        unknown = set(defaults) - set(self._factory_args) - set(_IMPLEMENTATION_ONLY)
-        if unknown:
-            raise TypeError(f"{optimizer_class.__name__} got unexpected keyword arguments {sorted(unknown)}.")
-        unsupported = sorted(k for k in _IMPLEMENTATION_ONLY if defaults.pop(k, None))
-        if unsupported:
-            raise ValueError(
-                f"puredist's ZeroRedundancyOptimizer does not support {unsupported} "
-                f"(only their default, off); got {optimizer_class.__name__} with them on."
-            )
-        full_defaults = {
-            name: parameter.default for name, parameter in inspect.signature(self._factory).parameters.items()
-        }
-        full_defaults.update(defaults)
-        self._factory(**{k: full_defaults[k] for k in self._factory_args})  # validates
+        params = _listed_params(params)
+        _check_optimizer_class(optimizer_class, overlap_with_ddp)
         self._optimizer_class = optimizer_class
         self._overlap_with_ddp = overlap_with_ddp
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._collective = DistributedCollective(process_group)
         self.process_group = self._collective.process_group
-        self._zero_state: ZeroState | None = None
+        self.optim: torch.optim.Optimizer | None = None
+        self._plan: ZeroPlan | None = None
+        self._iteration = 0
         self._consolidated: dict[str, Any] | None = None
         self._pristine = True  # no step taken and no state loaded: the plan may still change
-        super().__init__(params, full_defaults)
+        super().__init__(params, defaults)
+        Joinable.__init__(self)
         if overlap_with_ddp and len(self.param_groups) > 1:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
-        devices = {p.device for p in self._params()}
+        sparse = [i for i, p in enumerate(self._all_params) if p.layout != torch.strided]
+        if sparse:
+            raise ValueError(
+                f"Arg ``params``: ZeroRedundancyOptimizer only supports dense (strided) parameters, "
+                f"got {self._all_params[sparse[0]].layout} at parameter {sparse[0]}."
+            )
+        devices = {p.device for p in self._all_params}
         if len(devices) > 1:
             raise ValueError(f"Arg ``params`` must live on one device, got parameters on {sorted(map(str, devices))}.")
-        sizes = [p.numel() for p in self._params()]
-        self._adopt_plan(plan_zero(sizes, self._collective.world_size))
+        self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
 
-    # -- the pure core's view of this optimizer ---------------------------------
+    # -- ownership ----------------------------------------------------------------
 
-    def _params(self) -> list[torch.Tensor]:
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every parameter, in group order (torch's name: its own tests read it)."""
         return [p for group in self.param_groups for p in group["params"]]
 
     def _group_of(self) -> list[int]:
         return [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
 
-    def _optimizer_for(self, group: dict[str, Any]) -> Optimizer:
-        return self._factory(**{k: group[k] for k in self._factory_args})
+    @property
+    def _rank(self) -> int:
+        return self._collective.rank
 
-    def _fresh_states(self, indices: Iterable[int]) -> tuple:
-        params, group_of = self._params(), self._group_of()
-        return tuple(self._optimizer_for(self.param_groups[group_of[i]]).init([params[i]])[0] for i in indices)
+    @property
+    def plan(self) -> ZeroPlan:
+        """Who owns (steps, and keeps the state of) which parameter."""
+        return self._plan
+
+    def _owned(self, plan: ZeroPlan, group: int) -> list[torch.Tensor]:
+        params, group_of = self._all_params, self._group_of()
+        return [params[i] for i in plan.owned_by(self._rank) if group_of[i] == group]
 
     def _adopt_plan(self, plan: ZeroPlan) -> None:
-        """Shard by ``plan`` from now on; only before any step or load."""
+        """Shard by ``plan`` from now on, with a fresh local optimizer; only before
+        any step or load."""
         if not self._pristine:
             raise RuntimeError(
                 "The ZeRO plan can only change before the first step and before load_state_dict(); "
                 "register the ZeRO hook right after building the optimizer and DDP."
             )
+        local_groups = [
+            {**_hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
+        ]
+        optim = self._optimizer_class(local_groups, **self.defaults)
         self._collective.check_same_on_all_ranks(
-            self._params(), context=plan.digest(), what="ZeroRedundancyOptimizer's plan"
+            self._all_params, context=plan.digest(), what="ZeroRedundancyOptimizer's plan"
         )
-        self._zero_state = ZeroState(step=0, plan=plan, owned=self._fresh_states(plan.owned_by(self._rank)))
+        self._plan, self.optim = plan, optim
+        _sync_param_groups(optim.param_groups, self.param_groups)
 
-    @property
-    def _rank(self) -> int:
-        return self._collective.rank
+    # -- stepping -----------------------------------------------------------------
 
-    def _step_(self, grads: list[torch.Tensor | None], indices: Iterable[int]) -> CollectiveHandle:
-        """Step the owned parameters among ``indices`` and start the owners'
-        broadcasts of all of them; group by group, each with its current
-        hyper-parameters (so LR schedulers work)."""
+    def _local_step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step ``optim`` with this optimizer's current settings (so LR schedulers
+        work) and copy back whatever settings its step changed."""
         self._pristine = False
-        params, group_of, indices = self._params(), self._group_of(), list(indices)
-        state, handles = self._zero_state, []
-        for g, group in enumerate(self.param_groups):
-            in_group = [i for i in indices if group_of[i] == g]
-            if in_group:
-                state, handle = zero(self._optimizer_for(group)).update_subset_(
-                    params, grads, state, indices=in_group, collective=self._collective
-                )
-                handles.append(handle)
-        self._zero_state = state
-        return CollectiveHandle.merged(handles)
+        _sync_param_groups(self.param_groups, self.optim.param_groups)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        _sync_param_groups(self.optim.param_groups, self.param_groups)
+        return loss
+
+    def _step_(self, grads: Sequence[torch.Tensor | None], indices: Iterable[int]) -> CollectiveHandle:
+        """Step the owned parameters among ``indices`` with ``grads`` (aligned with
+        all parameters) and start the owners' broadcasts of all of ``indices``."""
+        params, indices = self._all_params, list(indices)
+        owned = [params[i] for i in self._plan.owned_by(self._rank)]
+        position = {id(p): i for i, p in enumerate(params)}
+        chosen = set(indices)
+        with _gradients(owned, [grads[position[id(p)]] if position[id(p)] in chosen else None for p in owned]):
+            self._local_step()
+        return broadcast_from_owners_(params, indices, self._plan, self._collective)
 
     def _end_iteration(self) -> None:
-        self._zero_state = self._zero_state._replace(step=self._zero_state.step + 1)
-
-    @property
-    def zero_state(self) -> ZeroState:
-        """This rank's pure-core state: plan and the owned parameters' states."""
-        return self._zero_state
+        self._iteration += 1
 
     # -- torch.optim.Optimizer API ----------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its parameters are planned around the current loads
-        (existing ownership and state stay)."""
-        if self._zero_state is not None and self._overlap_with_ddp:
+        (existing ownership and state stay), and the local optimizer gains the
+        group with the ones this rank owns."""
+        if self.optim is not None and self._overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
         super().add_param_group(param_group)
-        if self._zero_state is None:
+        if self.optim is None:
             return  # still in __init__: the plan comes once every group is in
-        plan = self._zero_state.plan
-        sizes = [p.numel() for p in self._params()]
+        plan, sizes = self._plan, [p.numel() for p in self._all_params]
         old = len(plan.owners)
         extension = plan_zero(sizes[old:], plan.world_size, start_loads=plan.loads(sizes[:old]))
-        new_plan = ZeroPlan(plan.world_size, plan.owners + extension.owners)
-        mine = [old + i for i, owner in enumerate(extension.owners) if owner == self._rank]
-        self._zero_state = self._zero_state._replace(plan=new_plan, owned=self._zero_state.owned + self._fresh_states(mine))
+        self._plan = ZeroPlan(plan.world_size, plan.owners + extension.owners)
+        group = self.param_groups[-1]
+        self.optim.add_param_group({**_hyper_parameters(group), "params": self._owned(self._plan, len(self.param_groups) - 1)})
+        _sync_param_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Step the owned parameters with their ``.grad`` and broadcast the results.
+        """Step the owned parameters (``optim.step(closure, **kwargs)``) and
+        broadcast every parameter from its owner.
 
         Returns:
-            The closure's loss, or ``None``. With ``overlap_with_ddp`` nothing happens
-            (the step runs in DDP's backward), as in torch.
+            The local optimizer's return value (the closure's loss), or ``None``.
+            With ``overlap_with_ddp`` nothing happens (the step runs in DDP's
+            backward), as in torch.
 
         Raises:
-            RankMismatchError: ranks differ in parameters or in which have a ``.grad``.
+            RankMismatchError: ranks differ in parameters or in iteration (every rank).
         """
         if self._overlap_with_ddp:
             logger.warning("`step()` should not be included in the training loop when `overlap_with_ddp=True`")
             return None
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = self._params()
-        grads = [p.grad for p in params]
-        has_grad = "".join("1" if g is not None else "0" for g in grads)
+        Join.notify_join_context(self)
+        params = self._all_params
         self._collective.check_same_on_all_ranks(
-            params,
-            context=f"plan {self._zero_state.plan.digest()} step {self._zero_state.step} grads {has_grad}",
-            what="ZeroRedundancyOptimizer.step",
+            params, context=f"plan {self._plan.digest()} step {self._iteration}", what="ZeroRedundancyOptimizer.step"
         )
-        self._step_(grads, range(len(params))).wait()
+        loss = self._local_step(closure, **kwargs)
+        broadcast_from_owners_(params, range(len(params)), self._plan, self._collective).wait()
         self._end_iteration()
         return loss
+
+    # -- Join -------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook with which a rank out of inputs shadows the others' steps
+        (inside ``torch.distributed.algorithms.join.Join``); its gradients must be
+        set, as in torch. Takes no keyword arguments."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The parameters' device."""
+        return self._all_params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the state is sharded over."""
+        return self.process_group
+
+    # -- checkpoints ------------------------------------------------------------
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (a collective: every rank
         calls it); afterwards :meth:`state_dict` works on ``to``."""
-        plan = self._zero_state.plan
+        params = self._all_params
         local = {
-            index: {k: v.detach().cpu() for k, v in state._asdict().items() if v is not None}
-            for index, state in zip(plan.owned_by(self._rank), self._zero_state.owned)
+            index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
+            for index in self._plan.owned_by(self._rank)
+            if params[index] in self.optim.state
         }
         group = self.process_group
         gathered = [None] * self._collective.world_size if self._rank == to else None
@@ -239,18 +348,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         packed_groups, start = [], 0
         for group_dict in self.param_groups:
             count = len(group_dict["params"])
-            packed = {k: v for k, v in group_dict.items() if k != "params"}
-            packed["params"] = list(range(start, start + count))
-            packed_groups.append(packed)
+            packed_groups.append({**_hyper_parameters(group_dict), "params": list(range(start, start + count))})
             start += count
         self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": packed_groups}
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim`` format, as consolidated.
+        """The whole optimizer state in ``torch.optim`` format, as consolidated
+        (loadable into the non-sharded ``optimizer_class``).
 
         Raises:
             RuntimeError: :meth:`consolidate_state_dict` was not called (on all
-                ranks, with ``to`` this rank) since the last step.
+                ranks, with ``to`` this rank).
         """
         if self._consolidated is None:
             raise RuntimeError(_NOT_CONSOLIDATED)
@@ -258,14 +366,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole-optimizer state dict (from :meth:`state_dict`, or from the
-        non-sharded ``optimizer_class``); each rank keeps its own share.
+        non-sharded ``optimizer_class``); each rank's ``optim`` loads a copy of its
+        own share (``optim.load_state_dict``: state follows each parameter's device
+        and dtype). Never shares a tensor with ``state_dict`` (torch's does, so two
+        optimizers loaded from one dict update the same state).
 
         Raises:
             ValueError: the groups differ in number or size from this optimizer's; a
-                saved parameter state has fields of another optimizer (e.g. SGD's
-                ``momentum_buffer`` for Adam) or another shape than its parameter.
-                Every entry is checked on every rank (so all ranks raise alike)
-                before anything changes: a failed load leaves the optimizer as it was.
+                saved parameter state of one of torch's optimizers has fields of
+                another (e.g. SGD's ``momentum_buffer`` for Adam) or another shape
+                than its parameter. Every entry is checked on every rank (so all
+                ranks raise alike) before anything changes: a failed load leaves
+                the optimizer as it was.
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -273,46 +385,40 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
         saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
-        params, plan = self._params(), self._zero_state.plan
-        for index in range(len(params)):  # every entry, owned or not: every rank decides alike
-            (fresh,) = self._fresh_states([index])
-            _check_saved_entry(state_dict["state"].get(saved_ids[index], {}), fresh, params[index], index, self._optimizer_class)
-        mine = plan.owned_by(self._rank)
-        fresh_states = self._fresh_states(mine)
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        owned = []
-        for index, fresh in zip(mine, fresh_states):
-            entry = state_dict["state"].get(saved_ids[index], {})
-            param = params[index]
-            owned.append(type(fresh)(**{
-                field: _cast_like(entry[field], param, field) if field in entry else default
-                for field, default in fresh._asdict().items()
-            }))
-        self._zero_state = self._zero_state._replace(owned=tuple(owned))
+        params, group_of = self._all_params, self._group_of()
+        for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
+            _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, self._optimizer_class)
+        mine = self._plan.owned_by(self._rank)
+        local_state, local_groups, next_id = {}, [], 0
+        for g, saved in enumerate(saved_groups):
+            in_group = [i for i in mine if group_of[i] == g]
+            local_ids = list(range(next_id, next_id + len(in_group)))
+            next_id += len(in_group)
+            for local_id, index in zip(local_ids, in_group):
+                if state_dict["state"].get(saved_ids[index]):
+                    local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
+            local_groups.append({**_hyper_parameters(saved), "params": local_ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        _sync_param_groups(saved_groups, self.param_groups)
         self._pristine = False
 
 
-def _check_saved_entry(entry: dict[str, Any], fresh, param: torch.Tensor, index: int, optimizer_class: type) -> None:
-    """Raise ``ValueError`` unless ``entry`` is a state of ``optimizer_class`` for ``param``."""
-    fields = fresh._asdict()
-    unknown = sorted(set(entry) - set(fields))
+def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
+    """Raise ``ValueError`` unless ``entry`` can be a state of ``optimizer_class``
+    for ``param`` (checked by field for torch's own optimizers)."""
+    if optimizer_class not in _KNOWN_STATE:
+        return
+    shaped, scalars = _KNOWN_STATE[optimizer_class]
+    unknown = sorted(set(entry) - shaped - scalars)
     if unknown:
         raise ValueError(
             f"Arg ``state_dict``: the state of parameter {index} has {unknown}, which "
-            f"{optimizer_class.__name__} does not keep ({sorted(fields)}): a checkpoint of another optimizer?"
+            f"{optimizer_class.__name__} does not keep ({sorted(shaped | scalars)}): a checkpoint of another optimizer?"
         )
-    for field, value in entry.items():
-        if field != "step" and isinstance(value, torch.Tensor) and value.shape != param.shape:
+    for field in shaped & set(entry):
+        value = entry[field]
+        if isinstance(value, torch.Tensor) and value.shape != param.shape:
             raise ValueError(
                 f"Arg ``state_dict``: ``{field}`` of parameter {index} has shape {tuple(value.shape)}, "
                 f"the parameter {tuple(param.shape)}."
             )
-
-
-def _cast_like(value: torch.Tensor, param: torch.Tensor, field: str) -> torch.Tensor:
-    """As ``torch.optim.Optimizer.load_state_dict``: state follows the parameter's
-    device and (except Adam's ``step`` counter) dtype."""
-    if field == "step":
-        return value.detach().clone().to(dtype=torch.float32, device="cpu")
-    return value.detach().to(dtype=param.dtype, device=param.device, copy=True)
