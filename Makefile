@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test demo bench install
+.PHONY: test demo bench install upstream
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# torch's own tests for the seeds, run against puredist.classic (slow; not in `make test`)
+upstream: install
+	$(PY) -m pip install --quiet -e .[upstream]
+	$(PY) upstream/run.py
 
 demo: install
 	$(PY) -m puredist demo $(ARGS)
