@@ -228,3 +228,84 @@ def _adagrad_checkpoint(rank, world_size):
 
 def test_a_consolidated_adagrad_checkpoint_resumes_in_zero_and_in_the_plain_optimizer():
     assert run_workers(_adagrad_checkpoint, 2) == [True, True]
+
+
+class _Awkward(nn.Module):
+    """A transposed (non-contiguous) weight, and a layer the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transposed = nn.Parameter(torch.randn(4, 8).t())
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x @ self.transposed)
+
+
+def _awkward_parameters(rank, world_size):
+    """Overlap with a non-contiguous parameter (its bucket slot is in its own
+    strides) and, with static_graph, an unused one (no .grad: not stepped)."""
+    for hook in (hook_with_zero_step, hook_with_zero_step_interleaved):
+        for bucket_view in (False, True):
+            options = dict(static_graph=True, gradient_as_bucket_view=bucket_view)
+            reference = DDP(_Awkward(), **options)
+            reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+            model = DDP(_Awkward(), **options)
+            zero = ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1, momentum=0.9, weight_decay=0.1)
+            model.register_comm_hook(None, hook(allreduce_hook, model, zero))
+            for step in range(3):
+                x, y = _batch(rank, step)
+                for net in (reference, model):
+                    nn.functional.mse_loss(net(x), y[:, :4]).backward()
+                reference_opt.step()
+                reference_opt.zero_grad()
+                zero.zero_grad()
+            for (name, ours), theirs in zip(model.module.named_parameters(), reference.parameters()):
+                assert torch.equal(ours, theirs), f"{hook.__name__} bucket_view={bucket_view}: {name}"
+            assert torch.equal(model.module.unused.weight, _Awkward().unused.weight)  # never stepped
+    return True
+
+
+def test_overlap_steps_non_contiguous_and_unused_parameters_as_ddp_with_the_plain_optimizer():
+    assert run_workers(_awkward_parameters, 2, timeout=120) == [True, True]
+
+
+def _join_edge_cases(rank, world_size):
+    # the optimizer alone in a Join (torch's hangs: its joined rank notifies again)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    with Join([zero]):
+        for step in range(1 + 2 * rank):
+            for p in net.parameters():
+                p.grad = torch.full_like(p, float(step + 1))
+            zero.step()
+    # the overlap cannot shadow DDP's join hook: refused when the Join is built
+    model = DDP(make_net())
+    overlapped = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, overlapped))
+    with pytest.raises(ValueError, match="Join is not supported with `overlap_with_ddp=True`"):
+        Join([model, overlapped])
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_join_with_the_optimizer_alone_and_a_clear_refusal_with_the_overlap():
+    finals = run_workers(_join_edge_cases, 2, timeout=60, gloo_timeout=20)
+    assert all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+def test_load_state_dict_shares_nothing_with_its_argument():
+    from workers import run_workers as run
+
+    def check(rank, world_size):
+        net = nn.Linear(4, 3)
+        zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        saved = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=torch.tensor(0.01), momentum=0.9).state_dict()
+        zero.load_state_dict(saved)
+        zero.param_groups[0]["lr"].fill_(0.5)  # e.g. a scheduler working on a tensor lr
+        return float(saved["param_groups"][0]["lr"])
+
+    assert run(check, 2) == [pytest.approx(0.01), pytest.approx(0.01)]

@@ -16,7 +16,11 @@ runs during DDP's backward. Differences on purpose:
   stay exact; only "one owner per bucket" is then approximate.
 - ``find_unused_parameters=True`` is refused at construction: DDP then leaves the
   ``.grad`` of unused parameters untouched while their bucket slots hold zeros, and
-  a step on those zeros would still move them (momentum, weight decay).
+  a step on those zeros would still move them (momentum, weight decay). With
+  ``static_graph=True``, a parameter that has no ``.grad`` when its bucket is ready
+  is not stepped, as the plain optimizer would not step it.
+- ``Join`` is refused with the overlap (DDP's join hook calls the communication hook
+  outside any backward pass); the non-overlapped optimizer supports it.
 
 ``hook_with_zero_step`` steps every bucket once the backward computation is over
 (overlapping the outstanding all-reduces and the broadcasts);
@@ -45,13 +49,21 @@ def _first_bucket_bytes_cap(ddp: DistributedDataParallel) -> int:
     return config.first_bucket_bytes_cap if config is not None else dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
+def _as_laid_out_by_ddp(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient in its bucket slot: DDP lays a non-overlapping dense
+    parameter's slot out in the parameter's own strides (a transposed weight, a
+    channels-last convolution), any other contiguously. ``empty_like`` picks the same."""
+    strides = torch.empty_like(param, device="meta").stride()
+    return piece.as_strided(param.shape, strides, piece.storage_offset())
+
+
 class _OverlappedIteration:
     """The buckets of one backward: their all-reduce futures, steps and broadcasts."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer, interleaved: bool) -> None:
         self._zero = zero
         self._interleaved = interleaved
-        self._launched: deque[tuple[torch.futures.Future, list[int]]] = deque()
+        self._launched: deque[tuple[torch.futures.Future, list[int], list[bool]]] = deque()
         self._broadcasts: list[CollectiveHandle] = []
         self._finish_queued = False
 
@@ -59,18 +71,22 @@ class _OverlappedIteration:
         if not self._finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._finish_queued = True
-        self._launched.append((future, indices))
+        # as DDP + a plain optimizer: a parameter without .grad (unused, e.g. with
+        # static_graph) is not stepped, though its bucket slot holds zeros
+        params = self._zero._all_params
+        self._launched.append((future, indices, [params[i].grad is not None for i in indices]))
         while self._interleaved and len(self._launched) > 1:
             self._step(*self._launched.popleft())
 
-    def _step(self, future: torch.futures.Future, indices: list[int]) -> None:
+    def _step(self, future: torch.futures.Future, indices: list[int], has_grad: list[bool]) -> None:
         reduced = future.wait()
         flat = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
         params = self._zero._all_params
         grads: list[torch.Tensor | None] = [None] * len(params)
         pieces = flat.split([params[i].numel() for i in indices])
-        for i, piece in zip(indices, pieces):
-            grads[i] = piece.view_as(params[i])
+        for i, piece, used in zip(indices, pieces, has_grad):
+            if used:
+                grads[i] = _as_laid_out_by_ddp(piece, params[i])
         self._broadcasts.append(self._zero._step_(grads, indices))
 
     def _finish(self) -> None:

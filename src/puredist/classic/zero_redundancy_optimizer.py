@@ -96,12 +96,17 @@ def _check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> None
         )
 
 
+_NOT_SETTINGS = ("params", "param_names")
+"""Param-group keys that list parameters: the local optimizer's hold this rank's only."""
+
+
 def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
 
 
 def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
-    """Copy every setting but ``params`` from each group of ``source`` to ``target``'s."""
+    """Copy every setting (all but the parameter lists) from each group of
+    ``source`` to ``target``'s."""
     for source_group, target_group in zip(source, target, strict=True):
         target_group.update(_hyper_parameters(source_group))
 
@@ -127,7 +132,7 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero.step()
+        self.zero._synchronized_step()  # no notify: this rank has joined
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -300,6 +305,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             logger.warning("`step()` should not be included in the training loop when `overlap_with_ddp=True`")
             return None
         Join.notify_join_context(self)
+        return self._synchronized_step(closure, **kwargs)
+
+    def _synchronized_step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """:meth:`step` after the Join notification (what a joined rank shadows)."""
         params = self._all_params
         self._collective.check_same_on_all_ranks(
             params, context=f"plan {self._plan.digest()} step {self._iteration}", what="ZeroRedundancyOptimizer.step"
@@ -314,7 +323,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook with which a rank out of inputs shadows the others' steps
         (inside ``torch.distributed.algorithms.join.Join``); its gradients must be
-        set, as in torch. Takes no keyword arguments."""
+        set, as in torch. Takes no keyword arguments.
+
+        Raises:
+            ValueError: with ``overlap_with_ddp`` (DDP's join hook then runs the
+                communication hook outside any backward pass).
+        """
+        if self._overlap_with_ddp:
+            raise ValueError(
+                "Join is not supported with `overlap_with_ddp=True`: DDP's join hook runs the ZeRO hook "
+                "outside a backward pass. Use the non-overlapped ZeroRedundancyOptimizer for uneven inputs."
+            )
         return _ZeroJoinHook(self)
 
     @property
@@ -348,7 +367,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         packed_groups, start = [], 0
         for group_dict in self.param_groups:
             count = len(group_dict["params"])
-            packed_groups.append({**_hyper_parameters(group_dict), "params": list(range(start, start + count))})
+            settings = {k: v for k, v in group_dict.items() if k != "params"}  # param_names kept
+            packed_groups.append({**settings, "params": list(range(start, start + count))})
             start += count
         self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": packed_groups}
 
@@ -398,8 +418,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 if state_dict["state"].get(saved_ids[index]):
                     local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
             local_groups.append({**_hyper_parameters(saved), "params": local_ids})
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        _sync_param_groups(saved_groups, self.param_groups)
+        self.optim.load_state_dict({"state": local_state, "param_groups": copy.deepcopy(local_groups)})
+        _sync_param_groups(copy.deepcopy(saved_groups), self.param_groups)
         self._pristine = False
 
 
