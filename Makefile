@@ -29,3 +29,4 @@ bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_zero.py
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_outer.py
 	$(PY) benchmarks/plan_balance.py
+	$(PY) benchmarks/bench_vmap_compile.py

@@ -3,6 +3,8 @@ shell blocks name make targets and files that exist, and the sample output has t
 demo's real table header."""
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ TEXT = [code for lang, code in BLOCKS if lang == "text"]
 
 
 def _run_block(rank, world_size, code):
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    module = types.ModuleType("readme")  # a real module: torch.compile looks its globals up by name
+    sys.modules["readme"] = module
+    exec(compile(code, "README.md", "exec"), module.__dict__)
     return True
 
 

@@ -22,6 +22,7 @@ from puredist.collectives import (
 )
 from puredist.optim import Optimizer, adam, adamw, sgd
 from puredist.outer import OuterState, OuterTransform, outer_optimizer
+from puredist.replicas import VmapCollective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero import Zero, ZeroState, zero
@@ -36,6 +37,7 @@ __all__ = [
     "DistributedCollective",
     "RankMismatchError",
     "SimulatedCollective",
+    "VmapCollective",
     "average",
     "average_",
     "averaged_tensors",

@@ -46,7 +46,7 @@ def check_same_tensors_on_all_ranks(
     group: dist.ProcessGroup,
     device: torch.device,
     *,
-    context: str = "",
+    context: object = "",
     what: str = "one averaging all-reduce",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank unless all ranks of ``group``
@@ -59,12 +59,14 @@ def check_same_tensors_on_all_ranks(
         group: the process group about to use them (this rank is a member).
         device: where the backend wants the summary tensor (CPU for Gloo).
         context: more that must agree (the schedule's configuration and step, a ZeRO
-            plan's digest).
+            plan's digest): a string, or an object whose ``str()`` is one (built only
+            here, so callers under ``torch.compile`` need not format it).
         what: the operation, for the message.
 
     Raises:
         RankMismatchError: on every rank, listing each rank's summary.
     """
+    context = str(context)
     local = _signature(tensors, context).to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)

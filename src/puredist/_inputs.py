@@ -51,7 +51,9 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * tensor.element_size()
 
 
-def checked_for_reduction(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
+def checked_for_reduction(
+    tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor", in_place: bool = True
+) -> list[torch.Tensor]:
     """Check that every tensor can be reduced, and return them as the real-valued
     tensors to reduce (a complex tensor becomes its ``view_as_real``; writes go to it).
 
@@ -59,6 +61,10 @@ def checked_for_reduction(tensors: Sequence[object], *, arg: str = "tensors", no
         tensors: the tensors, in the order given.
         arg: the argument's name, for messages.
         noun: what an element is called in messages (``"leaf"`` for a pytree's leaves).
+        in_place: whether the mean will be written into the tensors. ``False`` (an
+            out-of-place mean, which may run under ``torch.func`` transforms, where
+            memory is not observable) skips the memory checks and returns the
+            tensors as they are, complex ones included.
 
     Raises:
         TypeError: an element is not a tensor, or has an integer, bool or float8 dtype.
@@ -86,13 +92,17 @@ def checked_for_reduction(tensors: Sequence[object], *, arg: str = "tensors", no
                 f"Arg ``{arg}``: {label}: averaging needs floating-point or complex tensors "
                 "(the mean of integers or bools is not one of them)."
             )
+        if not in_place:
+            checked.append(tensor)
+            continue
         if _may_overlap_itself(tensor):
             raise ValueError(
                 f"Arg ``{arg}``: {label} has overlapping elements (strides {tensor.stride()}, e.g. from "
                 "expand()): its mean cannot be written back; pass a contiguous copy."
             )
         checked.append(torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor)
-    _check_disjoint(checked, arg, noun)
+    if in_place:
+        _check_disjoint(checked, arg, noun)
     return checked
 
 

@@ -9,6 +9,10 @@ holds everywhere:
   order matches the order torch's averagers use.
 - ``None`` is an empty node, never a leaf: a ``None`` in a parameter tree (for
   example a missing bias) is skipped by every operation.
+
+Under ``torch.compile`` the same policy is kept with ``torch.utils._pytree``, which
+Dynamo traces without a graph break (optree's insertion-order switch is a lock it
+cannot enter, and without it optree sorts dict keys).
 """
 
 from __future__ import annotations
@@ -16,14 +20,38 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import optree
+import torch
+import torch.utils._pytree as torch_pytree
 
 _NAMESPACE = "puredist"
 
 PyTree = Any
 
 
-def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+class _TracedSpec:
+    """The spec of a tree flattened while compiling: torch's spec, in which ``None``
+    is a leaf, and which of its leaves are kept."""
+
+    def __init__(self, spec: torch_pytree.TreeSpec, kept: list[bool]) -> None:
+        self.spec, self.kept = spec, kept
+
+    def flatten_up_to(self, other: PyTree) -> list[Any]:
+        leaves, spec = torch_pytree.tree_flatten(other)
+        if spec != self.spec:
+            raise ValueError(f"Expected a tree of structure {self.spec}, got {spec}.")
+        return [leaf for leaf, kept in zip(leaves, self.kept) if kept]
+
+    def unflatten(self, leaves: list[Any]) -> PyTree:
+        remaining = iter(leaves)
+        return torch_pytree.tree_unflatten([next(remaining) if kept else None for kept in self.kept], self.spec)
+
+
+def tree_flatten(tree: PyTree) -> tuple[list[Any], Any]:
     """Flatten ``tree`` into its leaves (insertion order, ``None`` skipped) and spec."""
+    if torch.compiler.is_compiling():
+        leaves, spec = torch_pytree.tree_flatten(tree)
+        kept = [leaf is not None for leaf in leaves]
+        return [leaf for leaf in leaves if leaf is not None], _TracedSpec(spec, kept)
     with optree.dict_insertion_ordered(True, namespace=_NAMESPACE):
         return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
 
@@ -33,8 +61,10 @@ def tree_leaves(tree: PyTree) -> list[Any]:
     return tree_flatten(tree)[0]
 
 
-def tree_unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> PyTree:
-    """Rebuild a tree of the structure ``spec`` from ``leaves``."""
+def tree_unflatten(spec: Any, leaves: list[Any]) -> PyTree:
+    """Rebuild a tree of the structure ``spec`` (from :func:`tree_flatten`) from ``leaves``."""
+    if isinstance(spec, _TracedSpec):
+        return spec.unflatten(leaves)
     return optree.tree_unflatten(spec, leaves)
 
 

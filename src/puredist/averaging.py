@@ -25,7 +25,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 
 from puredist._inputs import checked_for_reduction
-from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
+from puredist._tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
     check_hierarchy_group_sizes,
     warn_if_max_period_is_one,
@@ -54,11 +54,11 @@ class Averager(NamedTuple):
     update_: Callable[..., AveragerState]
 
 
-def _float_leaves(params: PyTree) -> tuple[list[torch.Tensor], object]:
+def _float_leaves(params: PyTree, *, in_place: bool) -> tuple[list[torch.Tensor], object]:
     """The leaves of ``params`` and its spec, checked to be averageable (every step,
     averaging or not, so bad input is found at once)."""
     leaves, spec = tree_flatten(params)
-    checked_for_reduction(leaves, arg="params", noun="leaf")
+    checked_for_reduction(leaves, arg="params", noun="leaf", in_place=in_place)
     return leaves, spec
 
 
@@ -93,24 +93,21 @@ def average_(
         CollectiveError: an all-reduce failed; every element holds its old value or
             its mean, as the error details.
     """
-    leaves, _ = _float_leaves(params)
+    leaves, _ = _float_leaves(params, in_place=True)
     return collective.mean_(leaves, group_size=group_size, async_op=async_op)
 
 
 def average(params: PyTree, *, collective: Collective, group_size: int | None = None) -> PyTree:
     """The pure form of :func:`average_`: return a new pytree holding the mean.
 
-    ``params`` is not modified; the result's tensors are new (each keeps its
-    input's ``requires_grad``).
+    ``params`` is not modified; the result's tensors are new. Differentiable, with
+    every backend: the gradient of a mean over a group is the mean of the incoming
+    gradients over the same group (on real ranks an all-reduce in the backward).
+    Under ``torch.func.vmap`` over simulated ranks, pass a
+    :class:`~puredist.VmapCollective`.
     """
-    leaves, spec = _float_leaves(params)
-    return _averaged_copy(leaves, spec, collective, group_size)
-
-
-def _averaged_copy(leaves, spec, collective: Collective, group_size: int | None, context: str = "") -> PyTree:
-    copies = clone_leaves(leaves)
-    collective.mean_(copies, group_size=group_size, context=context)
-    return tree_unflatten(spec, copies)
+    leaves, spec = _float_leaves(params, in_place=False)
+    return tree_unflatten(spec, collective.mean(leaves, group_size=group_size))
 
 
 def averaged_tensors(module: torch.nn.Module, *, buffers: bool = False, integer_buffers: str = "skip") -> dict[str, torch.Tensor]:
@@ -149,6 +146,17 @@ def averaged_tensors(module: torch.nn.Module, *, buffers: bool = False, integer_
 _Decision = tuple[bool, "int | None"]
 
 
+class _ScheduleStep(NamedTuple):
+    """The rank-check context of one averaging: ``str()`` formats it, only when a
+    backend checks it (a Python int step may be symbolic under ``torch.compile``)."""
+
+    schedule: str
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.schedule} step {self.step}"
+
+
 def _scheduled_averager(
     decide: Callable[[int], _Decision], check_collective: Callable[[Collective], None], schedule: str
 ) -> Averager:
@@ -161,19 +169,20 @@ def _scheduled_averager(
         return AveragerState(step=0)
 
     def update(params: PyTree, state: AveragerState, *, collective: Collective):
-        leaves, spec = _float_leaves(params)
+        leaves, spec = _float_leaves(params, in_place=False)
         check_collective(collective)
         due, group_size = decide(state.step)
         if due:
-            params = _averaged_copy(leaves, spec, collective, group_size, context=f"{schedule} step {state.step}")
+            means = collective.mean(leaves, group_size=group_size, context=_ScheduleStep(schedule, state.step))
+            params = tree_unflatten(spec, means)
         return params, AveragerState(step=state.step + 1)
 
     def update_(params: PyTree, state: AveragerState, *, collective: Collective) -> AveragerState:
-        leaves, _ = _float_leaves(params)
+        leaves, _ = _float_leaves(params, in_place=True)
         check_collective(collective)
         due, group_size = decide(state.step)
         if due:
-            collective.mean_(leaves, group_size=group_size, context=f"{schedule} step {state.step}")
+            collective.mean_(leaves, group_size=group_size, context=_ScheduleStep(schedule, state.step))
         return AveragerState(step=state.step + 1)
 
     return Averager(init, update, update_)

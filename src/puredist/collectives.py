@@ -90,6 +90,14 @@ class Collective(Protocol):
         ``context`` (e.g. the schedule and step) must be equal on every rank."""
         ...
 
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """New tensors holding each tensor's mean over the group (the inputs are not
+        written). Differentiable: the adjoint of a mean over a group is the mean of
+        the incoming gradients over the same group."""
+        ...
+
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
         holds the same values in ``tensors``; ``context`` as for :meth:`mean_`."""
@@ -101,6 +109,41 @@ def divides_first(dtype: torch.dtype) -> bool:
     a narrower range than fp32 (fp16), where the sum of representable values
     overflows long before their mean does."""
     return torch.finfo(dtype).max < torch.finfo(torch.float32).max
+
+
+def block_mean(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The mean of a ``[R, *shape]`` tensor within each block of ``group_size``
+    consecutive rows, broadcast back to every row of the block (a new tensor), with
+    the division rule of the module docstring. Differentiable."""
+    blocks = tensor.unflatten(0, (tensor.shape[0] // group_size, group_size))
+    if divides_first(tensor.dtype):
+        means = (blocks / group_size).sum(dim=1, keepdim=True)
+    else:
+        means = blocks.sum(dim=1, keepdim=True) / group_size
+    return means.expand_as(blocks).flatten(0, 1)
+
+
+class _AllReduceMean(torch.autograd.Function):
+    """``DistributedCollective.mean`` as a differentiable function: forward averages
+    copies of the inputs, backward averages the incoming gradients over the same
+    group (every rank runs the backward, as every rank ran the forward)."""
+
+    @staticmethod
+    def forward(collective: "DistributedCollective", group_size: int | None, context: str, *tensors: torch.Tensor):
+        copies = [t.detach().clone() for t in tensors]
+        collective.mean_(copies, group_size=group_size, context=context)
+        return tuple(copies)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.collective, ctx.group_size, ctx.context = inputs[:3]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        # the function again (under torch.func its forward sees plain tensors): and
+        # so differentiable twice
+        means = _AllReduceMean.apply(ctx.collective, ctx.group_size, f"backward of {ctx.context}", *grads)
+        return (None, None, None, *means)
 
 
 class DistributedCollective:
@@ -236,6 +279,20 @@ class DistributedCollective:
             what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
         )
 
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """New tensors holding the means (see :meth:`mean_`); ``tensors`` are only
+        read. Differentiable: the backward averages the gradients over the same group,
+        so every rank must run it (as with DDP). Not usable under ``torch.func.vmap``
+        (simulated ranks take :class:`~puredist.VmapCollective`).
+
+        Raises:
+            as :meth:`mean_`.
+        """
+        checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
+        return list(_AllReduceMean.apply(self, group_size, context, *tensors))
+
     def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
         unless all pass tensors of the same layouts and the same ``context`` (one
@@ -342,12 +399,9 @@ def _summary_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-class SimulatedCollective:
-    """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
-
-    Every tensor passed to :meth:`mean_` has shape ``[num_replicas, *shape]``; row
-    ``r`` is rank ``r``'s value. The mean is computed as a sum then one division in
-    the tensor's dtype, as :class:`DistributedCollective` does over Gloo.
+class ReplicaGroups:
+    """What the one-process backends share: ``num_replicas`` simulated ranks, grouped
+    in blocks of consecutive replicas as ``dist.new_subgroups`` groups ranks.
 
     Args:
         num_replicas: the number of simulated ranks, ``>= 1``.
@@ -373,6 +427,30 @@ class SimulatedCollective:
     def is_member(self) -> bool:
         return True
 
+    def _size(self, group_size: int | None) -> int:
+        """``group_size`` resolved (``None``: all replicas) and checked."""
+        size = self.num_replicas if group_size is None else group_size
+        if size not in self.group_sizes:
+            raise ValueError(
+                f"Arg ``group_size`` {group_size} must divide the number of replicas {self.num_replicas}."
+            )
+        return size
+
+
+class SimulatedCollective(ReplicaGroups):
+    """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
+
+    Every tensor passed to :meth:`mean_` has shape ``[num_replicas, *shape]``; row
+    ``r`` is rank ``r``'s value. The mean is computed as a sum then one division in
+    the tensor's dtype, as :class:`DistributedCollective` does over Gloo.
+
+    Args:
+        num_replicas: the number of simulated ranks, ``>= 1``.
+
+    Raises:
+        ValueError: ``num_replicas < 1``.
+    """
+
     def mean_(
         self,
         tensors: Sequence[torch.Tensor],
@@ -393,26 +471,31 @@ class SimulatedCollective:
         """
         del context
         tensors = checked_for_reduction(tensors)
-        size = self.num_replicas if group_size is None else group_size
-        if size not in self.group_sizes:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size} must divide the number of replicas "
-                f"{self.num_replicas}."
-            )
+        size = self._checked_size(tensors, group_size)
+        with torch.no_grad():
+            for tensor in tensors:
+                tensor.copy_(block_mean(tensor.detach(), size))
+        return CollectiveHandle() if async_op else None
+
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """New ``[R, *shape]`` tensors holding the means of :meth:`mean_`; the inputs
+        are only read. Differentiable (plain torch operations)."""
+        del context
+        tensors = checked_for_reduction(tensors, in_place=False)
+        size = self._checked_size(tensors, group_size)
+        return [block_mean(tensor, size) for tensor in tensors]
+
+    def _checked_size(self, tensors: Sequence[torch.Tensor], group_size: int | None) -> int:
+        size = self._size(group_size)
         for tensor in tensors:
             if tensor.dim() == 0 or tensor.shape[0] != self.num_replicas:
                 raise ValueError(
                     f"Every tensor needs a leading replica axis of size {self.num_replicas}, "
                     f"got shape {tuple(tensor.shape)}."
                 )
-        with torch.no_grad():
-            for tensor in tensors:
-                blocks = tensor.detach().unflatten(0, (self.num_replicas // size, size))
-                if divides_first(tensor.dtype):
-                    blocks.copy_((blocks / size).sum(dim=1, keepdim=True))
-                else:
-                    blocks.copy_(blocks.sum(dim=1, keepdim=True).div_(size))
-        return CollectiveHandle() if async_op else None
+        return size
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of

@@ -191,7 +191,7 @@ def outer_optimizer(
         return split_fragments([leaf.numel() for leaf in leaves], fragments)
 
     def init(params: PyTree) -> OuterState:
-        leaves, _ = _float_leaves(params)
+        leaves, _ = _float_leaves(params, in_place=True)
         layout(leaves)
         global_params = tuple(
             leaf.detach().to(device=global_device if global_device is not None else leaf.device, copy=True)
@@ -247,7 +247,7 @@ def outer_optimizer(
         synchronization fails: the state passed in stays valid and un-applied (a
         failed synchronization in it is issued again, on ``collective``, by the next
         ``update_`` with it)."""
-        leaves, _ = _float_leaves(params)
+        leaves, _ = _float_leaves(params, in_place=True)
         fragment_leaves = layout(leaves)
         check_collective(collective)
         if state.step == 0:
@@ -289,7 +289,7 @@ def outer_optimizer(
         for item in state.in_flight:
             if item.handle.error is None:  # a failed one is issued again by update_
                 item.handle.wait()
-        leaves, spec = _float_leaves(params)
+        leaves, spec = _float_leaves(params, in_place=True)
         copies = clone_leaves(leaves)
         cloned = OuterState(
             state.step,

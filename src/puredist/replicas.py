@@ -1,0 +1,136 @@
+"""Simulated ranks as a ``torch.func.vmap`` axis: JAX's ``pmean`` under ``vmap``.
+
+One training-step function, written once for one rank, runs ``R`` simulated ranks in
+one process under ``torch.func.vmap`` with a :class:`VmapCollective` and runs
+unchanged on real ranks with a :class:`~puredist.DistributedCollective`::
+
+    step = lambda params, batch, collective: ...  # calls puredist.average(..., collective=collective)
+    vmap(step, in_dims=(0, 0, None))(stacked_params, stacked_batches, VmapCollective(R))
+    step(params, batch, DistributedCollective())  # under torchrun
+
+The replica axis is the innermost ``vmap`` around the call (other ``vmap`` levels
+outside it batch whole simulations). The mean within groups of ``group_size``
+consecutive replicas is the same division rule as the other backends
+(:func:`~puredist.collectives.block_mean`); it is differentiable (the adjoint of a mean
+is the mean of the gradients over the same group), composes with ``torch.func.grad``
+(either side of the ``vmap``) and compiles with ``torch.compile(fullgraph=True)``.
+
+How: a ``torch.library`` custom operator whose ``vmap`` rule takes the mean over the
+batched dimension (it sees all replicas at once there), wrapped in an
+``autograd.Function`` whose backward is the operator again (``torch.library``'s own
+autograd registration does not compose with ``torch.func.grad`` in torch 2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.library import custom_op
+
+from puredist._inputs import checked_for_reduction
+from puredist.collectives import CollectiveHandle, ReplicaGroups, block_mean
+
+__all__ = ["VmapCollective", "replica_mean"]
+
+
+@custom_op("puredist::replica_mean", mutates_args=())
+def _replica_mean_op(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
+    """Outside ``vmap`` there is no replica axis: only a group of one is a mean."""
+    if group_size != 1:
+        raise RuntimeError(
+            f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap (or with "
+            "its replica axis not the innermost vmap): there is no replica axis to average over."
+        )
+    return tensor.clone()
+
+
+@_replica_mean_op.register_fake
+def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
+    dim = in_dims[0]
+    if dim is None:  # the same value on every replica: it is its own mean
+        return tensor.clone(), None
+    if info.batch_size != num_replicas:
+        raise ValueError(
+            f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
+            f"over {info.batch_size}."
+        )
+    return block_mean(tensor.movedim(dim, 0), group_size), 0
+
+
+_replica_mean_op.register_vmap(_replica_mean_vmap)
+
+
+class _ReplicaMean(torch.autograd.Function):
+    generate_vmap_rule = True  # vmap runs forward/backward, where the operator's rule applies
+
+    @staticmethod
+    def forward(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
+        return _replica_mean_op(tensor, group_size, num_replicas)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.sizes = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReplicaMean.apply(grad, *ctx.sizes), None, None
+
+
+def replica_mean(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
+    """Inside ``vmap`` over ``num_replicas`` replicas: the mean of ``tensor`` within
+    this replica's group of ``group_size`` consecutive replicas.
+
+    Raises:
+        RuntimeError: outside ``vmap`` with ``group_size > 1``.
+        ValueError: the innermost ``vmap`` does not map over ``num_replicas``.
+    """
+    return _ReplicaMean.apply(tensor, group_size, num_replicas)
+
+
+class VmapCollective(ReplicaGroups):
+    """The :class:`~puredist.Collective` for code running under ``torch.func.vmap``
+    over ``num_replicas`` simulated ranks (see the module docstring).
+
+    Args:
+        num_replicas: the size of the vmapped replica axis, ``>= 1``.
+
+    Raises:
+        ValueError: ``num_replicas < 1``.
+    """
+
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """Each tensor's mean over this replica's group (new tensors; differentiable).
+        ``context`` is accepted for the protocol: the replicas share one program."""
+        del context
+        size = self._size(group_size)
+        tensors = checked_for_reduction(tensors, in_place=False)
+        return [replica_mean(t, size, self.num_replicas) for t in tensors]
+
+    def mean_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        group_size: int | None = None,
+        async_op: bool = False,
+        context: str = "",
+    ) -> CollectiveHandle | None:
+        """Write each tensor's mean into it (under ``vmap``, into the batched tensor)."""
+        means = self.mean(tensors, group_size=group_size, context=context)
+        with torch.no_grad():
+            for tensor, mean in zip(tensors, means):
+                tensor.copy_(mean)
+        return CollectiveHandle() if async_op else None
+
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
+        """Not available under ``vmap`` (the check needs the values on the host)."""
+        raise NotImplementedError(
+            f"{what}: checking that replicas are identical is not possible inside torch.func.vmap; "
+            "check the stacked tensors before the vmap (SimulatedCollective.check_replicated)."
+        )

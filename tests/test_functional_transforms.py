@@ -1,0 +1,184 @@
+"""The pure averaging functions under torch.func: ``vmap`` over simulated ranks with
+a VmapCollective (against the SimulatedCollective, an independent implementation on
+stacked tensors), gradients through a mean (against the closed form and finite
+differences), one step function on real Gloo ranks and under ``vmap``, and
+``torch.compile(fullgraph=True)``."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from torch.func import grad, vmap
+
+import puredist
+from puredist import SimulatedCollective, VmapCollective, average, hierarchical_averager, periodic_averager
+from puredist._tree import tree_leaves
+from test_simulated import divisors, replicated_trees
+from workers import run_workers
+
+
+@st.composite
+def worlds(draw):
+    replicas = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    return replicas, draw(st.sampled_from(divisors(replicas))), draw(replicated_trees(replicas))
+
+
+@given(worlds())
+def test_average_under_vmap_equals_the_simulated_backend(world):
+    replicas, group_size, tree = world
+    assume(tree_leaves(tree))  # vmap needs a tensor to map over
+    in_dims = torch.utils._pytree.tree_map(lambda leaf: None if leaf is None else 0, tree)  # None leaves: unmapped
+    mapped = vmap(
+        lambda t: average(t, collective=VmapCollective(replicas), group_size=group_size),
+        in_dims=(in_dims,), out_dims=in_dims,
+    )(tree)
+    expected = average(tree, collective=SimulatedCollective(replicas), group_size=group_size)
+    for ours, theirs in zip(tree_leaves(mapped), tree_leaves(expected), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "averager",
+    [periodic_averager(period=2, warmup_steps=1), hierarchical_averager({2: 2, 4: 4}, warmup_steps=1)],
+    ids=["periodic", "hierarchical"],
+)
+def test_averagers_update_under_vmap_equals_the_eager_loop(averager):
+    replicas = 4
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(replicas, 3, 2, generator=gen), "b": torch.randn(replicas, 2, generator=gen)}
+    mapped_update = vmap(
+        lambda p, s: averager.update(p, s, collective=VmapCollective(replicas)), in_dims=(0, None), out_dims=(0, None)
+    )
+    ours, theirs = (params, averager.init()), (params, averager.init())
+    for step in range(9):
+        drift = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}  # each replica's local step
+        ours = mapped_update({k: v + drift[k] for k, v in ours[0].items()}, ours[1])
+        theirs = averager.update({k: v + drift[k] for k, v in theirs[0].items()}, theirs[1],
+                                 collective=SimulatedCollective(replicas))
+        assert ours[1] == theirs[1]
+        assert all(torch.equal(ours[0][k], theirs[0][k]) for k in params), f"step {step}"
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_the_gradient_of_an_average_is_the_average_of_the_gradients(group_size):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 5, generator=gen, dtype=torch.float64), torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    closed_form = SimulatedCollective(4).mean([w], group_size=group_size)[0]
+    collective = VmapCollective(4)
+
+    def per_replica(xr, wr):
+        return (average(xr, collective=collective, group_size=group_size) * wr).sum()
+
+    # grad inside vmap (each replica differentiates its own term), grad outside vmap,
+    # and plain autograd: all the closed form
+    assert torch.allclose(vmap(grad(per_replica))(x, w), closed_form)
+    assert torch.allclose(grad(lambda xs: vmap(per_replica)(xs, w).sum())(x), closed_form)
+    leaf = x.clone().requires_grad_()
+    vmap(per_replica)(leaf, w).sum().backward()
+    assert torch.allclose(leaf.grad, closed_form)
+    # and finite differences
+    assert torch.autograd.gradcheck(lambda xs: vmap(per_replica)(xs, w).sum(), (x.clone().requires_grad_(),))
+    # the simulated backend differentiates the same way
+    stacked = x.clone().requires_grad_()
+    (SimulatedCollective(4).mean([stacked], group_size=group_size)[0] * w).sum().backward()
+    assert torch.allclose(stacked.grad, closed_form)
+
+
+def test_a_vmap_collective_is_refused_where_there_is_no_replica_axis_of_its_size():
+    with pytest.raises(RuntimeError, match="outside torch.func.vmap"):
+        average([torch.ones(3)], collective=VmapCollective(2))
+    with pytest.raises(ValueError, match="2 replicas, but the innermost vmap around it maps over 3"):
+        vmap(lambda t: average(t, collective=VmapCollective(2)))(torch.ones(3, 4))
+    with pytest.raises(ValueError, match="``group_size`` 3 must divide"):
+        vmap(lambda t: average(t, collective=VmapCollective(4), group_size=3))(torch.ones(4, 2))
+    with pytest.raises(NotImplementedError, match="inside torch.func.vmap"):
+        VmapCollective(2).check_replicated([torch.ones(1)], what="the initial parameters")
+
+
+# One training step, written once for one rank: local SGD on a least-squares loss,
+# then the averager's schedule. Run under vmap with R simulated ranks and on R ranks.
+AVERAGER = hierarchical_averager({2: 2, 4: 4}, warmup_steps=1)
+LR = 0.1
+
+
+def train_step(params, batch, state, collective):
+    inputs, targets = batch
+    grads = grad(lambda p: ((inputs @ p["w"] + p["b"] - targets) ** 2).mean())(params)
+    params = {k: p - LR * grads[k] for k, p in params.items()}
+    return AVERAGER.update(params, state, collective=collective)
+
+
+def initial_params():
+    gen = torch.Generator().manual_seed(2)
+    return {"w": torch.randn(3, 2, generator=gen), "b": torch.zeros(2)}
+
+
+def batches(rank, steps):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 3, generator=gen), torch.randn(8, 2, generator=gen)) for _ in range(steps)]
+
+
+STEPS, RANKS = 6, 4
+
+
+def _on_real_ranks(rank, world_size):
+    collective = puredist.DistributedCollective.with_subgroups([2, 4])
+    params, state = initial_params(), AVERAGER.init()
+    for batch in batches(rank, STEPS):
+        params, state = train_step(params, batch, state, collective)
+    return params
+
+
+def simulated(step_function, steps=STEPS, after_each=lambda step: None):
+    params = {k: v.expand(RANKS, *v.shape).clone() for k, v in initial_params().items()}
+    per_rank = [batches(rank, steps) for rank in range(RANKS)]
+    state = AVERAGER.init()
+    for step in range(steps):
+        batch = tuple(torch.stack([per_rank[r][step][i] for r in range(RANKS)]) for i in range(2))
+        params, state = step_function(params, batch, state)
+        after_each(step)
+    return params
+
+
+def vmapped(params, batch, state):
+    return vmap(train_step, in_dims=(0, 0, None, None), out_dims=(0, None))(params, batch, state, VmapCollective(RANKS))
+
+
+def test_one_step_function_runs_under_vmap_and_on_real_ranks_alike():
+    real = run_workers(_on_real_ranks, RANKS, timeout=120)
+    mapped = simulated(vmapped)
+    for rank in range(RANKS):
+        for k in mapped:  # Gloo sums 4 values in its own order: equal up to rounding
+            torch.testing.assert_close(mapped[k][rank], real[rank][k], rtol=1e-6, atol=1e-7)
+
+
+def test_the_step_compiles_without_graph_breaks_and_without_a_recompile_per_step():
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(vmapped, fullgraph=True, backend=counter)
+    steps, frames = 16, []
+    ours = simulated(compiled, steps, after_each=lambda step: frames.append(counter.frame_count))
+    eager = simulated(vmapped, steps)
+    for k in eager:
+        torch.testing.assert_close(ours[k], eager[k], rtol=1e-6, atol=1e-7)
+    # the Python-int step specializes once, then is symbolic: one graph per branch of
+    # the schedule (no average, pairs, everyone), compiled by step 5 and reused after
+    assert frames[-1] == frames[5] <= 5, frames
+
+
+def _gradient_on_real_ranks(rank, world_size):
+    collective = puredist.DistributedCollective()
+    gen = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(5, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    (average({"x": leaf}, collective=collective)["x"] * w).sum().backward()
+    functional = grad(lambda t: (average([t], collective=collective)[0] * w).sum())(x)
+    return w, leaf.grad, functional
+
+
+def test_the_gradient_of_an_average_on_real_ranks_is_the_average_of_the_gradients():
+    results = run_workers(_gradient_on_real_ranks, 2)
+    closed_form = (results[0][0] + results[1][0]) / 2
+    for _, autograd_grad, functional_grad in results:
+        assert torch.allclose(autograd_grad, closed_form) and torch.allclose(functional_grad, closed_form)
