@@ -135,3 +135,19 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_the_package_lists_its_commands_and_version():
+    from importlib.metadata import version
+    from pathlib import Path
+
+    import puredist
+
+    command = [sys.executable, "-m", "puredist"]
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 0 and "commands:" in done.stdout and "\n  demo " in done.stdout
+    done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 0 and done.stdout.strip() == puredist.__version__ == version("puredist")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 2 and "commands:" in done.stderr
+    assert (Path(puredist.__file__).parent / "py.typed").is_file()  # typed package (PEP 561)

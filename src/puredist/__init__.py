@@ -2,6 +2,8 @@
 explicit state, with drop-in replacements for torch's classes in
 :mod:`puredist.classic`."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from puredist._consistency import RankMismatchError
 from puredist.averaging import (
     Averager,
@@ -26,6 +28,11 @@ from puredist.replicas import VmapCollective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero import Zero, ZeroState, zero
+
+try:
+    __version__ = version("puredist")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Averager",

@@ -1,13 +1,27 @@
-"""``python -m puredist demo [options]``: the main job (see ``--help``)."""
+"""``python -m puredist COMMAND``: ``demo`` (the main job); ``--help`` lists the commands."""
 
 import sys
 
+from puredist import __version__
 from puredist.demo.cli import main
 
-USAGE = "usage: python -m puredist demo [--help | options]"
+USAGE = f"""usage: python -m puredist [--help | --version] COMMAND [options]
+
+puredist {__version__}: communication-efficient distributed training as pure functions.
+
+commands:
+  demo    train a model on local worker processes under every algorithm and compare
+          them (python -m puredist demo --help for its options)"""
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "demo":
+    arguments = sys.argv[1:]
+    if arguments[:1] in (["--help"], ["-h"]):
+        print(USAGE)
+        sys.exit(0)
+    if arguments[:1] == ["--version"]:
+        print(__version__)
+        sys.exit(0)
+    if arguments[:1] != ["demo"]:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(main(arguments[1:]))
