@@ -8,23 +8,16 @@ import pytest
 import torch
 import torch._dynamo.testing
 from hypothesis import assume, given
-from hypothesis import strategies as st
 from torch.func import grad, vmap
 
 import puredist
 from puredist import SimulatedCollective, VmapCollective, average, hierarchical_averager, periodic_averager
-from puredist._tree import tree_leaves
-from test_simulated import divisors, replicated_trees
+from puredist.tree import tree_leaves
+from puredist.testing import replica_worlds
 from workers import run_workers
 
 
-@st.composite
-def worlds(draw):
-    replicas = draw(st.sampled_from([1, 2, 3, 4, 6]))
-    return replicas, draw(st.sampled_from(divisors(replicas))), draw(replicated_trees(replicas))
-
-
-@given(worlds())
+@given(replica_worlds())
 def test_average_under_vmap_equals_the_simulated_backend(world):
     replicas, group_size, tree = world
     assume(tree_leaves(tree))  # vmap needs a tensor to map over

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import puredist
-from puredist._tree import tree_leaves, tree_map
+from puredist.tree import tree_leaves, tree_map
 
 CASES = [
     (torch.optim.SGD, puredist.sgd, st.fixed_dictionaries({

@@ -172,7 +172,7 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(sync_every=0), "period.*positive"),
+        (dict(sync_every=0), "``sync_every`` must be a positive"),
         (dict(sync_every=4, delay=4), "delay.*\\[0, 3\\].*got 4"),
         (dict(sync_every=4, fragments=5), "fragments.*\\[1, 4\\].*got 5"),
         (dict(sync_every=4, lower_levels={4: 2, 2: 2}), "strictly increasing"),

@@ -1,6 +1,7 @@
 """Schedules against brute-force references of torch's two rules."""
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,3 +71,24 @@ def test_periodic_rejects_bad_configuration(period, warmup, error, match):
 def test_hierarchical_rejects_bad_periods(periods, match):
     with pytest.raises(ValueError, match=match):
         hierarchical_schedule(periods)
+
+
+def test_errors_name_the_argument_of_the_function_called():
+    import puredist
+    from puredist import SimulatedCollective
+
+    cases = [
+        (lambda: puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=0), "``sync_every``"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=4, lower_levels={2: 2, 1: 4}),
+         "``lower_levels``"),
+        (lambda: puredist.hierarchical_averager({}), "``period_group_sizes``"),
+        (lambda: puredist.hierarchical_schedule([2, 1]), "``periods``"),
+        (lambda: puredist.hierarchical_averager({2: 2, 4: 2}).update([torch.ones(4, 1)], puredist.AveragerState(0),
+                                                                     collective=SimulatedCollective(4)),
+         "``period_group_sizes`` 2 must be equal to the size of the collective 4"),
+    ]
+    for build, named in cases:
+        with pytest.raises(ValueError) as raised:
+            build()
+        assert named in str(raised.value), str(raised.value)
+        assert "process_group" not in str(raised.value) and "period_group_size_dict" not in str(raised.value)

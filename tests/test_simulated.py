@@ -8,37 +8,10 @@ from hypothesis import strategies as st
 
 import puredist
 from puredist import SimulatedCollective, average, average_, hierarchical_averager, periodic_averager
-from puredist._tree import tree_leaves, tree_map
+from puredist.testing import divisors, parameter_trees, replica_worlds
+from puredist.tree import tree_leaves, tree_map
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@st.composite
-def replicated_trees(draw, replicas):
-    """A nested pytree (dict / list / tuple / None) of [R, *shape] tensors."""
-    seed = draw(st.integers(0, 2**31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-
-    def leaf(shape, dtype):
-        return torch.randn((replicas, *shape), generator=gen, dtype=torch.float64).to(dtype)
-
-    shapes = st.lists(st.integers(1, 4), max_size=3)
-    leaves = st.builds(leaf, shapes, st.sampled_from(DTYPES))
-    tree = st.recursive(
-        leaves,
-        lambda children: st.one_of(
-            st.dictionaries(st.sampled_from("zyxwab"), children, max_size=3),
-            st.lists(children, max_size=3),
-            st.tuples(children, st.none()),
-        ),
-        max_leaves=8,
-    )
-    return draw(tree)
 
 
 def block_mean_oracle(tensor, group_size):
@@ -49,14 +22,7 @@ def block_mean_oracle(tensor, group_size):
     return out
 
 
-@st.composite
-def setups(draw):
-    replicas = draw(st.integers(1, 8))
-    group_size = draw(st.sampled_from(divisors(replicas)))
-    return replicas, group_size, draw(replicated_trees(replicas))
-
-
-@given(setups())
+@given(replica_worlds(replica_counts=range(1, 9)))
 def test_pure_average_is_the_block_mean_and_preserves_everything_else(setup):
     replicas, group_size, tree = setup
     before = tree_map(torch.clone, tree)
@@ -72,7 +38,7 @@ def test_pure_average_is_the_block_mean_and_preserves_everything_else(setup):
         torch.testing.assert_close(new.double().mean(0), old.double().mean(0), rtol=tol, atol=tol)
 
 
-@given(setups())
+@given(replica_worlds(replica_counts=range(1, 9)))
 def test_in_place_equals_pure_and_is_idempotent(setup):
     replicas, group_size, tree = setup
     collective = SimulatedCollective(replicas)

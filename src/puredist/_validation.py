@@ -30,11 +30,11 @@ def _check_int(name: str, value: object) -> None:
         raise TypeError(f"Arg ``{name}`` must be an int, got {value!r} ({type(value).__name__}).")
 
 
-def check_period(period: int) -> None:
-    """Raise unless ``period`` is an int ``>= 1``."""
-    _check_int("period", period)
+def check_period(period: int, *, arg: str = "period") -> None:
+    """Raise unless ``period`` (the argument named ``arg``) is an int ``>= 1``."""
+    _check_int(arg, period)
     if period < 1:
-        raise ValueError(f"Arg ``period`` must be a positive value, got {period}.")
+        raise ValueError(f"Arg ``{arg}`` must be a positive value, got {period}.")
 
 
 def warn_if_period_is_one(period: int, *, stacklevel: int) -> None:
@@ -58,39 +58,36 @@ def check_warmup_steps(warmup_steps: int) -> None:
         )
 
 
-def check_hierarchy_periods(periods: Sequence[int]) -> None:
-    """Raise unless ``periods`` is a non-empty, strictly increasing run of ints ``>= 1``."""
+def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
+    """Raise unless ``periods`` (from the argument named ``arg``) is a non-empty,
+    strictly increasing run of ints ``>= 1``."""
     if len(periods) == 0:
-        raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
+        raise ValueError(f"Arg ``{arg}`` must not be empty.")
     for period in periods:
-        _check_int("period_group_size_dict", period)
+        _check_int(arg, period)
     if periods[0] <= 0:
-        raise ValueError(
-            "The minimum period in arg ``period_group_size_dict`` must be a positive "
-            f"value, got {periods[0]}."
-        )
+        raise ValueError(f"The minimum period in arg ``{arg}`` must be a positive value, got {periods[0]}.")
     for lower, higher in zip(periods, periods[1:]):
         if higher <= lower:
             raise ValueError(
-                "The periods in arg ``period_group_size_dict`` must be strictly "
-                f"increasing (lowest level first), got {list(periods)}."
+                f"The periods in arg ``{arg}`` must be strictly increasing (lowest level first), got {list(periods)}."
             )
 
 
-def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int) -> None:
-    """Raise unless every group size is a positive divisor of ``world_size`` and the
-    last one (the top of the hierarchy) equals it."""
+def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
+    """Raise unless every group size (from the argument named ``arg``) is a positive
+    divisor of ``world_size`` and the last one (the top of the hierarchy) equals it;
+    ``whole`` names what has ``world_size`` ranks (``"arg ``process_group``"``)."""
     for size in group_sizes:
-        _check_int("period_group_size_dict", size)
+        _check_int(arg, size)
         if size < 1 or world_size % size != 0:
             raise ValueError(
-                f"Every group size in arg ``period_group_size_dict`` must be a positive "
-                f"divisor of the group's size {world_size}, got {size}."
+                f"Every group size in arg ``{arg}`` must be a positive divisor of the group's size "
+                f"{world_size}, got {size}."
             )
     if group_sizes[-1] != world_size:
         raise ValueError(
-            f"The last value in arg ``period_group_size_dict`` {group_sizes[-1]} "
-            f"must be equal to the size of arg ``process_group`` {world_size}."
+            f"The last value in arg ``{arg}`` {group_sizes[-1]} must be equal to the size of {whole} {world_size}."
         )
 
 

@@ -25,9 +25,10 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 
 from puredist._inputs import checked_for_reduction
-from puredist._tree import PyTree, tree_flatten, tree_unflatten
+from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
     check_hierarchy_group_sizes,
+    check_hierarchy_periods,
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
@@ -165,10 +166,12 @@ def _scheduled_averager(
     must be equal on every rank at every averaging)."""
 
     def init(params: PyTree = None) -> AveragerState:
+        """A fresh state (step 0); ``params`` is accepted for optax's signature."""
         del params  # the state holds no tensors
         return AveragerState(step=0)
 
     def update(params: PyTree, state: AveragerState, *, collective: Collective):
+        """Pure: ``(params or new tensors holding their mean, state at step + 1)``; differentiable."""
         leaves, spec = _float_leaves(params, in_place=False)
         check_collective(collective)
         due, group_size = decide(state.step)
@@ -178,6 +181,7 @@ def _scheduled_averager(
         return params, AveragerState(step=state.step + 1)
 
     def update_(params: PyTree, state: AveragerState, *, collective: Collective) -> AveragerState:
+        """In place: average ``params``' own storage when due; return the state at step + 1."""
         leaves, _ = _float_leaves(params, in_place=True)
         check_collective(collective)
         due, group_size = decide(state.step)
@@ -228,6 +232,7 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
         UserWarning: the largest period is 1, as torch does.
     """
     periods = tuple(period_group_sizes)
+    check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())
     level = hierarchical_schedule(periods, warmup_steps)
     warn_if_max_period_is_one(periods, stacklevel=2)
@@ -239,12 +244,14 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
     def check_collective(collective: Collective) -> None:
         if not collective.is_member:
             return
-        check_hierarchy_group_sizes(group_sizes, collective.world_size)
+        check_hierarchy_group_sizes(
+            group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective"
+        )
         missing = [g for g in group_sizes if g not in collective.group_sizes]
         if missing:
             raise ValueError(
                 f"The collective cannot average within groups of sizes {missing} from arg "
-                f"``period_group_size_dict``; it supports {collective.group_sizes} (build it "
+                f"``period_group_sizes``; it supports {collective.group_sizes} (build it "
                 "with DistributedCollective.with_subgroups)."
             )
 

@@ -30,7 +30,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
+from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 
 
 class SGDParamState(NamedTuple):
@@ -82,10 +82,13 @@ def _clone_state(state: NamedTuple) -> NamedTuple:
 
 def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
     def init(params: PyTree) -> tuple:
+        """One fresh per-parameter state for each leaf of ``params``."""
         leaves, _ = tree_flatten(params)
         return tuple(init_leaf(p) for p in leaves)
 
     def update_(params: PyTree, grads: PyTree, state: tuple) -> tuple:
+        """Step ``params`` in place (a ``None`` grad skips its parameter); return the
+        new state."""
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         if len(state) != len(leaves):
@@ -103,6 +106,7 @@ def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
         return tuple(new_state)
 
     def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
+        """Pure: ``(new params, new state)``; the inputs are not modified."""
         leaves, spec = tree_flatten(params)
         copies = clone_leaves(leaves)
         new_state = update_(copies, spec.flatten_up_to(grads), tuple(_clone_state(s) for s in state))

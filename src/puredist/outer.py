@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from puredist._tree import PyTree, clone_leaves, tree_unflatten
+from puredist.tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
@@ -131,7 +131,7 @@ def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], 
 def _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype) -> None:
     if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
         raise TypeError(f"Arg ``comm_dtype`` must be a floating-point torch.dtype or None, got {comm_dtype!r}.")
-    check_period(sync_every)
+    check_period(sync_every, arg="sync_every")
     check_warmup_steps(warmup_steps)
     for name, value, low, high in (("delay", delay, 0, sync_every - 1), ("fragments", fragments, 1, sync_every)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -169,9 +169,9 @@ def outer_optimizer(
     """
     _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype)
     lower = dict(lower_levels or {})
-    lower_level = hierarchical_schedule(tuple(lower), warmup_steps) if lower else (lambda step: None)
     if lower:
-        check_hierarchy_periods(tuple(lower))
+        check_hierarchy_periods(tuple(lower), arg="lower_levels")
+    lower_level = hierarchical_schedule(tuple(lower), warmup_steps) if lower else (lambda step: None)
     lower_sizes = tuple(lower.values())
     offsets = [f * sync_every // fragments for f in range(fragments)]
     config = (
@@ -191,6 +191,7 @@ def outer_optimizer(
         return split_fragments([leaf.numel() for leaf in leaves], fragments)
 
     def init(params: PyTree) -> OuterState:
+        """Step 0: a copy of ``params`` as the global copy, fresh outer-optimizer state."""
         leaves, _ = _float_leaves(params, in_place=True)
         layout(leaves)
         global_params = tuple(
@@ -306,6 +307,8 @@ def outer_optimizer(
         return tree_unflatten(spec, copies), update_(copies, cloned, collective=collective)
 
     def state_dict(state: OuterState, *, rank: int) -> dict[str, Any]:
+        """A flat dict of ``state`` for ``torch.save`` or DCP (completes collectives in
+        flight: every rank calls it at the same step)."""
         fragment_leaves = layout(state.global_params)
         saved: dict[str, Any] = {"step": state.step, "config": config}
         for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
@@ -328,6 +331,8 @@ def outer_optimizer(
         return saved
 
     def load_state_dict(state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
+        """The state ``saved`` holds, validated against this transform and ``state``
+        (a template, e.g. ``init``)."""
         fragment_leaves = layout(state.global_params)
         check_saved(state, saved, fragment_leaves, rank)
         global_params = tuple(

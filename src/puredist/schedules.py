@@ -68,7 +68,7 @@ def hierarchical_schedule(
             ``warmup_steps < 0``.
     """
     periods = tuple(periods)
-    check_hierarchy_periods(periods)
+    check_hierarchy_periods(periods, arg="periods")
     check_warmup_steps(warmup_steps)
     levels_high_to_low = tuple(reversed(range(len(periods))))
 

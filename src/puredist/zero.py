@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
+from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.sharding import ZeroPlan
@@ -82,6 +82,7 @@ def zero(optimizer: Optimizer) -> Zero:
     """
 
     def init(params: PyTree, *, plan: ZeroPlan, rank: int) -> ZeroState:
+        """The state of ``rank``: optimizer state for the parameters ``plan`` gives it."""
         leaves, _ = tree_flatten(params)
         if len(plan.owners) != len(leaves):
             raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
@@ -120,10 +121,13 @@ def zero(optimizer: Optimizer) -> Zero:
         return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
 
     def update_subset_(params, grads, state: ZeroState, *, indices: Sequence[int], collective: DistributedCollective):
+        """Step the owned parameters among ``indices`` and start their owners'
+        broadcasts: ``(state, handle)``."""
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
         return _step_and_broadcast(leaves, grad_leaves, state, indices, collective)
 
     def update_(params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
+        """One whole iteration in place, after the rank check; returns the state at step + 1."""
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
         collective.check_same_on_all_ranks(
             leaves, context=f"plan {state.plan.digest()} step {state.step}", what="one ZeRO step"
@@ -133,6 +137,7 @@ def zero(optimizer: Optimizer) -> Zero:
         return end_iteration(state)
 
     def update(params, grads, state: ZeroState, *, collective: DistributedCollective):
+        """Pure: ``(new params, new state)``; the inputs are not modified."""
         leaves, spec = tree_flatten(params)
         copies = clone_leaves(leaves)
         cloned = state._replace(owned=tuple(_clone_state(s) for s in state.owned))
@@ -140,6 +145,7 @@ def zero(optimizer: Optimizer) -> Zero:
         return tree_unflatten(spec, copies), new_state
 
     def end_iteration(state: ZeroState) -> ZeroState:
+        """The state after all buckets of an iteration were stepped (step + 1)."""
         return state._replace(step=state.step + 1)
 
     return Zero(init, update, update_, update_subset_, end_iteration)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch.distributed as dist
 
-from puredist._validation import check_hierarchy_group_sizes
+from puredist._validation import check_hierarchy_group_sizes, check_hierarchy_periods
 from puredist.averaging import hierarchical_averager
 from puredist.classic.averagers import _CoreAverager
 from puredist.collectives import DistributedCollective, subgroup
@@ -48,9 +48,12 @@ class HierarchicalModelAverager(_CoreAverager):
     def __init__(self, period_group_size_dict=None, warmup_steps=0, process_group=None):
         super().__init__(process_group)
         hierarchy = dict(period_group_size_dict or {})
+        check_hierarchy_periods(tuple(hierarchy), arg="period_group_size_dict")  # torch's names in messages
         self._averager = hierarchical_averager(hierarchy, warmup_steps)
         overall_group_size = dist.get_world_size(group=self.process_group)
-        check_hierarchy_group_sizes(tuple(hierarchy.values()), overall_group_size)
+        check_hierarchy_group_sizes(
+            tuple(hierarchy.values()), overall_group_size, arg="period_group_size_dict", whole="arg ``process_group``"
+        )
         self.warmup_steps = warmup_steps
 
         self.period_process_group_dict = OrderedDict()

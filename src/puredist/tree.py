@@ -1,5 +1,7 @@
-"""The one place puredist touches optree.
+"""Pytree utilities with puredist's policy: the one place puredist touches optree.
 
+Public, so that a user's own optimizer or transform flattens parameter trees exactly
+as puredist's functions do (``from puredist.tree import tree_flatten, tree_map``).
 Every tree operation in the package goes through this module so that one policy
 holds everywhere:
 
@@ -26,6 +28,8 @@ import torch.utils._pytree as torch_pytree
 _NAMESPACE = "puredist"
 
 PyTree = Any
+
+__all__ = ["PyTree", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "clone_leaves"]
 
 
 class _TracedSpec:
