@@ -1,8 +1,10 @@
 """Property-test your own distributed training step, many ranks in one process.
 
-``SimulatedCollective(R)`` runs R ranks stacked on a leading axis, so a whole
-post-local SGD step — each rank's local SGD step, then the scheduled averaging — is
-checked by hypothesis against plain arithmetic, without any process group.
+The training step is written once, for one rank (as it would run under torchrun with
+a ``DistributedCollective``); ``vmap`` with a ``VmapCollective(R)`` runs it for R
+simulated ranks in one process, so a whole post-local SGD step — each rank's local
+SGD step, then the scheduled averaging — is checked by hypothesis against plain
+arithmetic, without any process group.
 
     python examples/property_test.py        # or: pytest examples/property_test.py
 """
@@ -32,18 +34,22 @@ def test_post_local_sgd_keeps_the_mean_model_on_the_sgd_path(replicas, period, s
     averaging step, all replicas agree."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(replicas, 3, dtype=torch.float64, generator=gen)  # one row per simulated rank
-    collective = puredist.SimulatedCollective(replicas)
     averager = puredist.periodic_averager(period)
     state = averager.init(w)
     lr = 0.1
+
+    def train_step(w, x, y, state, collective):  # one rank's step
+        w = w - lr * grad(loss_fn)(w, x, y)
+        return averager.update(w, state, collective=collective)
+
+    ranks = vmap(train_step, in_dims=(0, 0, 0, None, None), out_dims=(0, None))
     for _ in range(steps):
         x = torch.randn(replicas, 5, 3, dtype=torch.float64, generator=gen)
         y = torch.randn(replicas, 5, dtype=torch.float64, generator=gen)
-        g = vmap(grad(loss_fn))(w, x, y)  # every rank's gradient on its own batch
+        g = vmap(grad(loss_fn))(w, x, y)  # the oracle: every rank's gradient on its own batch
         expected_mean = w.mean(0) - lr * g.mean(0)
-        w = w - lr * g  # every rank's local step
         due = state.step % period == 0  # the schedule, written out by hand
-        w, state = averager.update(w, state, collective=collective)
+        w, state = ranks(w, x, y, state, puredist.VmapCollective(replicas))
         torch.testing.assert_close(w.mean(0), expected_mean)
         if due:
             torch.testing.assert_close(w, w[:1].expand_as(w))

@@ -32,3 +32,11 @@ def test_a_users_transform_flattens_trees_as_puredist_does():
     doubled = tree_unflatten(spec, [2 * leaf for leaf in leaves])
     assert doubled["a"][1] is None and torch.equal(doubled["b"], 2 * torch.ones(2))
     assert torch.equal(tree_map(torch.neg, params)["b"], -torch.ones(2))
+
+
+def test_no_public_name_is_also_a_submodule():
+    """``import puredist.x`` must give the module x, never a function of that name."""
+    import pkgutil
+
+    submodules = {module.name for module in pkgutil.iter_modules(puredist.__path__)}
+    assert not set(puredist.__all__) & submodules, set(puredist.__all__) & submodules

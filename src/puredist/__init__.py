@@ -27,7 +27,7 @@ from puredist.outer import OuterState, OuterTransform, outer_optimizer
 from puredist.replicas import VmapCollective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero import Zero, ZeroState, zero
+from puredist.zero_sharded import Zero, ZeroState, zero
 
 try:
     __version__ = version("puredist")

@@ -1,6 +1,6 @@
 """Collectives as an explicit argument: the mean over a group of ranks.
 
-Two backends implement the same small protocol, :class:`Collective`:
+Three backends implement the same small protocol, :class:`Collective`:
 
 - :class:`DistributedCollective`: real ranks over ``torch.distributed`` process
   groups (Gloo, NCCL, ...). It writes the mean into the tensors' own storage
@@ -14,6 +14,11 @@ Two backends implement the same small protocol, :class:`Collective`:
   of replicas, exactly as ``dist.new_subgroups`` groups ranks. It is what
   ``vmap(axis_name=...)`` with ``lax.pmean`` gives JAX users: the same pure code
   runs ``R`` ranks at once, for property-based tests.
+- :class:`~puredist.VmapCollective` (in :mod:`puredist.replicas`): the same for code
+  running under ``torch.func.vmap`` over the replica axis.
+
+Each has ``mean_`` (in place) and ``mean`` (new tensors, differentiable: the adjoint of
+a mean over a group is the mean of the gradients over the same group).
 
 In both, ``group_size`` selects the level: ``None`` (or the full size) averages
 over the whole group; a smaller ``g`` averages within each block of ``g``

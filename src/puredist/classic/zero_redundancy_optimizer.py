@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero import broadcast_from_owners_
+from puredist.zero_sharded import broadcast_from_owners_
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
