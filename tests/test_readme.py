@@ -44,6 +44,7 @@ def test_shell_blocks_use_real_targets_and_files():
 
 
 def test_sample_output_has_the_demo_table_header():
-    row = {"final_accuracy": 1.0, "final_loss": 0.0, "wall_s": 1.0, "bytes_sent": 1, "bytes_sent_max": 1}
+    row = {"heldout_accuracy": 1.0, "heldout_loss": 0.0, "wall_s": 1.0, "bytes_sent": 1, "bytes_sent_max": 1,
+           "state_bytes_max": 1}
     header = table({"ddp": row}).splitlines()[0]
     assert header in TEXT[0]

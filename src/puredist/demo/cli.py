@@ -95,7 +95,7 @@ def _launch(args: argparse.Namespace) -> dict:
     return elastic_launch(config, worker_main)(job)
 
 
-DEMO_EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
+DEMO_EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 WORKER_MEMORY_BYTES = 400 * 2**20
 """About what one worker process needs (torch imported, the model, Gloo's buffers)."""
 

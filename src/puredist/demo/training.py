@@ -15,7 +15,10 @@ Every worker trains on its own shard of the training set. Runs by algorithm:
 
 Bytes sent are measured, not estimated: the growth of this process's ``wchar``
 (``/proc/self/io``: every byte handed to ``write``/``send``, by every thread, Gloo's
-included) over the training steps only; evaluation and logging are left out.
+included) over the training steps only; evaluation and logging are left out. The
+model evaluated (held-out loss and accuracy) is the average of the workers' models,
+computed with the pure :func:`puredist.average` (training is undisturbed). The
+optimizer state each worker holds is counted in bytes (ZeRO: only its shard).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.func import functional_call, grad_and_value
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import puredist
+from puredist.tree import tree_leaves
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
 
 ALGORITHMS = ("ddp", "periodic", "hierarchical", "zero", "diloco")
@@ -85,23 +89,26 @@ class ByteMeter:
             self.total += bytes_written() - start
 
 
-def progress(algorithm: str, step: int, steps: int, loss: float) -> None:
-    """A progress bar: redrawn in place on a terminal; elsewhere a line at the first
-    step and at every quarter."""
-    width = 30
-    filled = width * step // steps
-    line = f"  {algorithm:13s} [{'#' * filled}{'.' * (width - filled)}] {step:4d}/{steps} loss {loss:6.3f}"
-    if sys.stdout.isatty():
-        print("\r" + line, end="\n" if step == steps else "", flush=True)
-    elif step in (1, steps) or (4 * step) // steps != (4 * (step - 1)) // steps:
-        print(line, flush=True)
+def progress_bar(algorithm: str, steps: int, enabled: bool):
+    """tqdm's bar on stdout (on a terminal redrawn in place, elsewhere a few lines)."""
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc=f"  {algorithm:13s}", file=sys.stdout, disable=not enabled,
+                mininterval=0.5 if sys.stdout.isatty() else 5.0, ncols=80, leave=True)
 
 
-def accuracy(model: nn.Module, params: dict[str, torch.Tensor], test) -> float:
+def held_out(model: nn.Module, params: dict[str, torch.Tensor], test) -> tuple[float, float]:
+    """``(cross-entropy loss, accuracy)`` of ``params`` on the held-out set."""
     features, labels = test
     with torch.no_grad():
-        predictions = functional_call(model, params, (features,)).argmax(dim=1)
-    return (predictions == labels).float().mean().item()
+        logits = functional_call(model, params, (features,))
+    loss = nn.functional.cross_entropy(logits, labels).item()
+    return loss, (logits.argmax(dim=1) == labels).float().mean().item()
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in a pytree (an optimizer's state)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 def _ddp_step(model: DDP, optimizer, features, labels) -> float:
@@ -115,7 +122,8 @@ def _ddp_step(model: DDP, optimizer, features, labels) -> float:
 def _setup_ddp(model: nn.Module, collective, world_size: int):
     ddp = DDP(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
-    return ddp, lambda x, y: _ddp_step(ddp, optimizer, x, y), lambda: dict(ddp.module.named_parameters())
+    state = lambda: [list(s.values()) for s in optimizer.state.values()]  # noqa: E731
+    return ddp, lambda x, y: _ddp_step(ddp, optimizer, x, y), lambda: dict(ddp.module.named_parameters()), state
 
 
 def _setup_zero(model: nn.Module, collective, world_size: int):
@@ -132,7 +140,8 @@ def _setup_zero(model: nn.Module, collective, world_size: int):
         loss.backward()  # the ZeRO step runs inside
         return loss.item()
 
-    return ddp, step, lambda: dict(ddp.module.named_parameters())
+    state = lambda: [list(s.values()) for s in zero.optim.state.values()]  # noqa: E731 - this rank's shard
+    return ddp, step, lambda: dict(ddp.module.named_parameters()), state
 
 
 def hierarchy_for(world_size: int) -> dict[int, int]:
@@ -158,7 +167,7 @@ def _setup_functional(averager: puredist.Averager | puredist.OuterTransform, col
             state["averager"] = averager.update_(params, state["averager"], collective=collective)
             return loss.item()
 
-        return model, step, lambda: params
+        return model, step, lambda: params, lambda: state  # DiLoCo: inner and outer state, global copy
 
     return setup
 
@@ -184,27 +193,30 @@ def train(algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
             puredist.DistributedCollective.with_subgroups(list(hierarchy_for(world_size).values())),
         ),
     }
-    model, step, current_params = setups[algorithm](make_model(config["seed"]), collective, world_size)
+    model, step, current_params, optimizer_state = setups[algorithm](make_model(config["seed"]), collective, world_size)
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
     meter = ByteMeter()
     steps, eval_every = config["steps"], max(1, config["steps"] // 15)
     losses, evaluations = [], []
     dist.barrier()
     started = time.perf_counter()
-    for k in range(1, steps + 1):
-        batch = torch.randint(len(labels), (BATCH_SIZE,), generator=batches)
-        with meter.counting():
-            losses.append(step(features[batch], labels[batch]))
-        if k % eval_every == 0 or k == steps:
-            # evaluate the consensus model; puredist.average is pure: training is undisturbed
-            consensus = puredist.average(
-                {n: t.detach() for n, t in current_params().items()}, collective=collective
-            )
-            evaluations.append((k, accuracy(model.module if isinstance(model, DDP) else model, consensus, test), meter.total))
-        if rank == 0:
-            progress(algorithm, k, steps, losses[-1])
+    with progress_bar(algorithm, steps, enabled=rank == 0) as bar:
+        for k in range(1, steps + 1):
+            batch = torch.randint(len(labels), (BATCH_SIZE,), generator=batches)
+            with meter.counting():
+                losses.append(step(features[batch], labels[batch]))
+            if k % eval_every == 0 or k == steps:
+                # evaluate the averaged model; puredist.average is pure: training is undisturbed
+                averaged = puredist.average(
+                    {n: t.detach() for n, t in current_params().items()}, collective=collective
+                )
+                loss, acc = held_out(model.module if isinstance(model, DDP) else model, averaged, test)
+                evaluations.append((k, acc, loss, meter.total))
+                bar.set_postfix_str(f"held-out loss {loss:.3f}", refresh=False)
+            bar.update()
     wall = time.perf_counter() - started
-    return {"losses": losses, "evaluations": evaluations, "bytes_sent": meter.total, "wall_s": wall}
+    return {"losses": losses, "evaluations": evaluations, "bytes_sent": meter.total, "wall_s": wall,
+            "state_bytes": tensor_bytes(optimizer_state())}
 
 
 def worker_main(config: dict[str, Any]) -> dict[str, Any]:
