@@ -14,6 +14,15 @@ from puredist.averaging import (
     hierarchical_averager,
     periodic_averager,
 )
+from puredist.compression import (
+    CompressedAverager,
+    CompressionState,
+    Compressor,
+    compressed_averager,
+    int4_blocks,
+    int8_blocks,
+    top_k,
+)
 from puredist.collectives import (
     DEFAULT_BUCKET_CAP_BYTES,
     CollectiveError,
@@ -64,4 +73,11 @@ __all__ = [
     "OuterState",
     "OuterTransform",
     "outer_optimizer",
+    "CompressedAverager",
+    "CompressionState",
+    "Compressor",
+    "compressed_averager",
+    "int4_blocks",
+    "int8_blocks",
+    "top_k",
 ]
