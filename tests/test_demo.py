@@ -30,11 +30,12 @@ def tiny_run(tmp_path_factory):
 def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
     done, out = tiny_run
     assert done.returncode == 0, done.stderr
-    for algorithm in ("ddp", "periodic", "hierarchical", "zero", "diloco"):
+    algorithms = ["ddp", "periodic", "hierarchical", "zero", "diloco", "diloco_int4", "diloco_topk"]
+    for algorithm in algorithms:
         assert f"  {algorithm}" in done.stdout
     assert (out / "demo.png").stat().st_size > 10_000
     summary = json.loads((out / "results.json").read_text())
-    assert list(summary) == ["ddp", "periodic", "hierarchical", "zero", "diloco"]
+    assert list(summary) == algorithms
     for row in summary.values():
         assert row["heldout_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
         # the held-out loss of the averaged model falls below a uniform guess's (ln 10)
@@ -57,6 +58,8 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     assert summary["zero"]["bytes_sent"] > summary["ddp"]["bytes_sent"]
     # DiLoCo syncs as often as periodic averaging, with bf16 pseudo-gradients: about half
     assert 0.4 < summary["diloco"]["bytes_sent"] / summary["periodic"]["bytes_sent"] < 0.7
+    # 4-bit payloads send less than bf16, top-1 % less still (the rest is fixed overhead)
+    assert summary["diloco_topk"]["bytes_sent"] < summary["diloco_int4"]["bytes_sent"] < summary["diloco"]["bytes_sent"]
 
 
 @pytest.mark.parametrize(

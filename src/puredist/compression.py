@@ -36,6 +36,7 @@ __all__ = [
     "CompressionState",
     "Compressor",
     "compressed_averager",
+    "compressed_mean",
     "int4_blocks",
     "int8_blocks",
     "top_k",
@@ -162,10 +163,8 @@ class CompressedAverager(NamedTuple):
     update: Callable[..., tuple[PyTree, CompressionState]]
 
 
-def _gathered_payloads(payload: Payload, collective: Collective) -> list[Payload]:
+def _gathered_payloads(payload: Payload, collective: DistributedCollective) -> list[Payload]:
     """Every rank's payload, in rank order."""
-    if not isinstance(collective, DistributedCollective):
-        raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
     group, size = collective.process_group, collective.world_size
     parts = []
     for tensor in payload:
@@ -175,12 +174,53 @@ def _gathered_payloads(payload: Payload, collective: Collective) -> list[Payload
     return list(zip(*parts))
 
 
+def compressed_mean(
+    leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
+    *, context: str,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The means of ``leaves`` (new tensors, their dtypes) and the new fp32 residuals,
+    by the rule of :func:`compressed_averager`; ``context`` joins the rank check.
+
+    Raises:
+        TypeError: a non-floating-point leaf, or another kind of collective.
+        RankMismatchError: ranks pass different layouts or contexts.
+    """
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
+    simulated = isinstance(collective, SimulatedCollective)
+    if not simulated:
+        if not isinstance(collective, DistributedCollective):
+            raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
+        collective.check_same_on_all_ranks(leaves, context=context, what="a compressed averaging")
+    if not leaves:
+        return [], []
+    count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
+    # all leaves in one flat payload: one set of collectives, blocks may span leaves
+    rows = torch.cat(
+        [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
+        dim=1,
+    )
+    sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
+    payloads = [compressor.encode(row) for row in rows]
+    left = rows - torch.stack([compressor.decode(p, numel) for p in payloads])
+    everyone = payloads if simulated else _gathered_payloads(payloads[0], collective)
+    mean = sum(compressor.decode(p, numel) for p in everyone) / len(everyone)
+    means = [
+        part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone()
+        for part, leaf, size in zip(mean.split(sizes), leaves, sizes)
+    ]
+    new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
+    return means, new_residuals
+
+
 def compressed_averager(compressor: Compressor) -> CompressedAverager:
     """Average pytrees over all ranks with ``compressor``'s payloads and error feedback.
 
     For rank ``r`` at step ``t``: ``v_r = x_r + e_r``, ``s_r = decode(encode(v_r))``,
     ``e_r <- v_r - s_r``, and every rank returns ``(1/W) sum_r s_r`` (fp32 sum in rank
-    order, cast to each leaf's dtype). With a :class:`~puredist.SimulatedCollective`
+    order, cast to each leaf's dtype). All leaves travel as one flat payload (one
+    all-gather per payload tensor), so quantization blocks and top-k span leaves. With a :class:`~puredist.SimulatedCollective`
     the leaves are stacked ``[W, *shape]`` and so are the residuals.
 
     Returns:
@@ -200,28 +240,12 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     def update(params: PyTree, state: CompressionState, *, collective: Collective):
         """Pure: ``(pytree of the means, state with the new residuals, step + 1)``."""
         leaves, spec = tree_flatten(params)
-        for position, leaf in enumerate(leaves):
-            if not leaf.is_floating_point():
-                raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
         if len(state.residuals) != len(leaves):
             raise ValueError(f"Arg ``state`` holds {len(state.residuals)} residuals for {len(leaves)} leaves.")
-        simulated = isinstance(collective, SimulatedCollective)
-        if not simulated:
-            collective.check_same_on_all_ranks(
-                leaves, context=f"compressed_averager({compressor.name}) step {state.step}", what="a compressed averaging"
-            )
-        means, residuals = [], []
-        for leaf, residual in zip(leaves, state.residuals):
-            rows = leaf.detach().float() + residual
-            rows = rows.reshape(collective.world_size, -1) if simulated else rows.reshape(1, -1)
-            numel = rows.shape[1]
-            payloads = [compressor.encode(row) for row in rows]
-            sent = torch.stack([compressor.decode(p, numel) for p in payloads])
-            residuals.append((rows - sent).reshape(residual.shape))
-            everyone = payloads if simulated else _gathered_payloads(payloads[0], collective)
-            total = sum(compressor.decode(p, numel) for p in everyone)
-            mean = (total / len(everyone)).to(leaf.dtype)
-            means.append(mean.expand(rows.shape[0], numel).reshape(leaf.shape).clone())
+        means, residuals = compressed_mean(
+            leaves, state.residuals, compressor, collective,
+            context=f"compressed_averager({compressor.name}) step {state.step}",
+        )
         return tree_unflatten(spec, means), CompressionState(state.step + 1, tuple(residuals))
 
     return CompressedAverager(init, update)

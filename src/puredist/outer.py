@@ -12,6 +12,11 @@ Options (static, checked by :func:`outer_optimizer`):
 
 - ``comm_dtype``: the pseudo-gradient is all-reduced in this dtype (e.g. bf16, half the
   bytes of fp32); the outer step runs in the parameters' dtype.
+- ``compressor``: instead, the pseudo-gradient is averaged with a
+  :class:`~puredist.compression.Compressor`'s payloads (int8, 4-bit, top-k) and error
+  feedback: each rank's residual (what its payloads have not sent yet) is part of the
+  state and of the checkpoint. The compressed averaging completes when it starts (the
+  ``delay`` still decides when it is applied).
 - ``global_device``: where the global copy and the outer state live (e.g. ``"cpu"``).
 - ``fragments``: the parameter leaves are cut into this many contiguous fragments of
   about equal size; fragment ``f`` synchronizes ``f * sync_every // fragments`` steps
@@ -52,6 +57,7 @@ from puredist.tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
+from puredist.compression import Compressor, compressed_mean
 from puredist.optim import Optimizer, _clone_state
 from puredist.schedules import hierarchical_schedule
 
@@ -84,12 +90,15 @@ class OuterState(NamedTuple):
         global_params: the global copy, one tensor per parameter leaf.
         outer_state: the outer optimizer's per-parameter states, aligned with the leaves.
         in_flight: synchronizations started and not yet applied, in start order.
+        residuals: with a ``compressor``, this rank's error-feedback residual per leaf
+            (fp32); else ``()``.
     """
 
     step: int
     global_params: tuple[torch.Tensor, ...]
     outer_state: tuple
     in_flight: tuple[InFlight, ...]
+    residuals: tuple[torch.Tensor, ...] = ()
 
 
 class OuterTransform(NamedTuple):
@@ -148,6 +157,7 @@ def outer_optimizer(
     comm_dtype: torch.dtype | None = None,
     global_device: torch.device | str | None = None,
     lower_levels: Mapping[int, int] | None = None,
+    compressor: Compressor | None = None,
 ) -> OuterTransform:
     """Build the outer-optimization transform (see the module docstring).
 
@@ -161,6 +171,8 @@ def outer_optimizer(
         global_device: device of the global copy and outer state (``None``: the
             parameter's).
         lower_levels: ``{period: group_size}`` plain averaging below the outer step.
+        compressor: average the pseudo-gradients with this compressor and error
+            feedback (exclusive with ``comm_dtype``).
 
     Raises:
         ValueError, TypeError: bad options (named, with their value); at ``init``, more
@@ -168,6 +180,13 @@ def outer_optimizer(
             collective cannot average within.
     """
     _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype)
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
+    if compressor is not None and comm_dtype is not None:
+        raise ValueError(
+            f"Args ``compressor`` ({compressor.name}) and ``comm_dtype`` ({comm_dtype}) are exclusive: the compressor "
+            "decides the payload."
+        )
     lower = dict(lower_levels or {})
     if lower:
         check_hierarchy_periods(tuple(lower), arg="lower_levels")
@@ -176,7 +195,8 @@ def outer_optimizer(
     offsets = [f * sync_every // fragments for f in range(fragments)]
     config = (
         f"outer_optimizer(sync_every={sync_every}, warmup_steps={warmup_steps}, delay={delay}, "
-        f"fragments={fragments}, comm_dtype={comm_dtype}, lower_levels={lower})"
+        f"fragments={fragments}, comm_dtype={comm_dtype}, lower_levels={lower}"
+        + (f", compressor={compressor.name})" if compressor is not None else ")")
     )
 
     def due_fragments(step: int) -> list[int]:
@@ -198,7 +218,8 @@ def outer_optimizer(
             leaf.detach().to(device=global_device if global_device is not None else leaf.device, copy=True)
             for leaf in leaves
         )
-        return OuterState(0, global_params, outer.init(list(global_params)), ())
+        residuals = tuple(torch.zeros_like(leaf, dtype=torch.float32) for leaf in leaves) if compressor else ()
+        return OuterState(0, global_params, outer.init(list(global_params)), (), residuals)
 
     def check_collective(collective: Collective) -> None:
         missing = [g for g in lower_sizes if g not in collective.group_sizes]
@@ -208,7 +229,9 @@ def outer_optimizer(
                 f"``lower_levels``; it supports {collective.group_sizes}."
             )
 
-    def start(leaves, state: OuterState, fragment: int, indices, collective: Collective) -> InFlight:
+    def start(leaves, state: OuterState, fragment: int, indices, collective: Collective, residuals: list) -> InFlight:
+        """Start ``fragment``'s synchronization; with a compressor it completes here,
+        and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
             pseudo = tuple(
                 (state.global_params[i].to(leaves[i].device, leaves[i].dtype) - leaves[i].detach()).to(
@@ -217,7 +240,14 @@ def outer_optimizer(
                 for i in indices
             )
             snapshot = tuple(leaves[i].detach().clone() for i in indices) if delay else ()
-        return InFlight(state.step + delay, fragment, pseudo, snapshot, issue(pseudo, state.step, fragment, collective))
+            if compressor is None:
+                return InFlight(state.step + delay, fragment, pseudo, snapshot, issue(pseudo, state.step, fragment, collective))
+            context = f"{config} sync of fragment {fragment} started at step {state.step}"
+            means, left = compressed_mean(list(pseudo), tuple(residuals[i] for i in indices), compressor, collective,
+                                          context=context)
+        for i, residual in zip(indices, left):
+            residuals[i] = residual
+        return InFlight(state.step + delay, fragment, tuple(means), snapshot, CollectiveHandle())
 
     def issue(pseudo, start_step: int, fragment: int, collective: Collective) -> CollectiveHandle:
         context = f"{config} sync of fragment {fragment} started at step {start_step}"
@@ -263,8 +293,9 @@ def outer_optimizer(
             for item in state.in_flight
         ]
         due = due_fragments(state.step)
+        residuals = list(state.residuals)
         for f in due:
-            in_flight.append(start(leaves, state, f, fragment_leaves[f], collective))
+            in_flight.append(start(leaves, state, f, fragment_leaves[f], collective, residuals))
         applying = [item for item in in_flight if item.apply_step == state.step]
         waiting = [item for item in in_flight if item.apply_step != state.step]
         for item in applying:
@@ -272,7 +303,7 @@ def outer_optimizer(
         global_params, outer_state = list(state.global_params), list(state.outer_state)
         for item in applying:
             apply(leaves, global_params, outer_state, item, fragment_leaves[item.fragment])
-        new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting))
+        new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting), tuple(residuals))
         level = lower_level(state.step)
         busy = set(due) | {item.fragment for item in waiting}
         idle = [leaves[i] for f, indices in enumerate(fragment_leaves) if f not in busy for i in indices]
@@ -303,6 +334,7 @@ def outer_optimizer(
                 )
                 for item in state.in_flight
             ),
+            tuple(t.clone() for t in state.residuals),
         )
         return tree_unflatten(spec, copies), update_(copies, cloned, collective=collective)
 
@@ -328,6 +360,8 @@ def outer_optimizer(
                 if delay:
                     snapshot = item.snapshot[k] if item else torch.zeros_like(state.global_params[i])
                     saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = snapshot
+        for i, residual in enumerate(state.residuals):  # differ between ranks
+            saved[f"residual.{i}.rank{rank}"] = residual
         return saved
 
     def load_state_dict(state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
@@ -361,7 +395,11 @@ def outer_optimizer(
                 CollectiveHandle(),  # completed before it was saved
             ))
         in_flight.sort(key=lambda item: item.apply_step)
-        return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight))
+        residuals = tuple(
+            saved[f"residual.{i}.rank{rank}"].to(device=r.device, dtype=torch.float32, copy=True)
+            for i, r in enumerate(state.residuals)
+        )
+        return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight), residuals)
 
     def check_saved(state: OuterState, saved: Mapping[str, Any], fragment_leaves, rank: int) -> None:
         """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
@@ -378,6 +416,11 @@ def outer_optimizer(
             shape = tuple(saved[f"global.{i}"].shape)
             if shape != tuple(template.shape):
                 raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+        if state.residuals and f"residual.0.rank{rank}" not in saved:
+            raise ValueError(
+                f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
+                "size. Each rank's residuals are its own; a compressed run resumes at the world size it was saved at."
+            )
         for f, indices in enumerate(fragment_leaves):
             apply_step = int(saved[f"in_flight.{f}.apply_step"])
             if apply_step >= 0 and not step <= apply_step <= step + delay:

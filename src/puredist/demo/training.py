@@ -12,6 +12,8 @@ Every worker trains on its own shard of the training set. Runs by algorithm:
   the backward through :func:`puredist.classic.hook_with_zero_step_interleaved`.
 - ``diloco``: :func:`puredist.outer_optimizer` with DiLoCo's outer Nesterov SGD
   (lr 0.7, momentum 0.9) every 8 steps, bf16 pseudo-gradients.
+- ``diloco_int4``, ``diloco_topk``: the same with 4-bit block-quantized (blocks of
+  64) or top-1 % pseudo-gradients and error feedback (:mod:`puredist.compression`).
 
 Bytes sent are measured, not estimated: the growth of this process's ``wchar``
 (``/proc/self/io``: every byte handed to ``write``/``send``, by every thread, Gloo's
@@ -39,7 +41,7 @@ import puredist
 from puredist.tree import tree_leaves
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
 
-ALGORITHMS = ("ddp", "periodic", "hierarchical", "zero", "diloco")
+ALGORITHMS = ("ddp", "periodic", "hierarchical", "zero", "diloco", "diloco_int4", "diloco_topk")
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
 BATCH_SIZE = 32
@@ -177,17 +179,22 @@ def train(algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     (features, labels), test = load_digits_shards(config["seed"], rank, world_size)
     collective = puredist.DistributedCollective()
+
+    def diloco(**payload):
+        return _setup_functional(
+            puredist.outer_optimizer(
+                puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=PERIOD, warmup_steps=WARMUP_STEPS, **payload
+            ),
+            collective,
+        )
+
     setups: dict[str, Callable] = {
         "ddp": _setup_ddp,
         "zero": _setup_zero,
         "periodic": _setup_functional(puredist.periodic_averager(PERIOD, WARMUP_STEPS), collective),
-        "diloco": _setup_functional(
-            puredist.outer_optimizer(
-                puredist.sgd(lr=0.7, momentum=0.9, nesterov=True),
-                sync_every=PERIOD, warmup_steps=WARMUP_STEPS, comm_dtype=torch.bfloat16,
-            ),
-            collective,
-        ),
+        "diloco": diloco(comm_dtype=torch.bfloat16),
+        "diloco_int4": diloco(compressor=puredist.int4_blocks(64)),
+        "diloco_topk": diloco(compressor=puredist.top_k(0.01)),
         "hierarchical": _setup_functional(
             puredist.hierarchical_averager(hierarchy_for(world_size), WARMUP_STEPS),
             puredist.DistributedCollective.with_subgroups(list(hierarchy_for(world_size).values())),
