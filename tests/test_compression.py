@@ -169,3 +169,43 @@ def test_bytes_on_the_wire_shrink_as_the_format_says():
     fp32 = measured["fp32"]  # a 2-rank all-reduce sends the tensor's 4 MiB once
     assert fp32 >= 4 * 2**20
     assert measured["int8"] < 0.28 * fp32 and measured["int4"] < 0.16 * fp32 and measured["topk"] < 0.03 * fp32
+
+
+def test_non_finite_values_are_refused_before_anything_is_sent():
+    averager = compressed_averager(int4_blocks(4))
+    x = torch.ones(2, 6)
+    x[0, 1] = float("inf")
+    state = averager.init(x)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        averager.update(x, state, collective=SimulatedCollective(2))
+    assert torch.equal(state.residuals[0], torch.zeros(2, 6))  # the state passed in is still valid
+
+
+def test_empty_payloads_and_rounding_of_k():
+    for codec in (int8_blocks(4), int4_blocks(4), top_k(0.5)):
+        assert codec.decode(codec.encode(torch.zeros(0)), 0).numel() == 0
+    assert top_k(0.07).encode(torch.randn(100))[0].numel() == 7  # 0.07 * 100 is 7.000000000000001
+
+
+def _peer_dies_before_sending(rank, world_size):
+    import os
+    import signal
+
+    import puredist
+    import puredist.compression
+
+    if rank == 1:  # passes the rank check, then dies instead of sending its payload
+        puredist.compression._gathered_payloads = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    averager = compressed_averager(int8_blocks(16))
+    x = [torch.randn(64)]
+    state = averager.init(x)
+    try:
+        averager.update(x, state, collective=puredist.DistributedCollective())
+    except puredist.CollectiveError as error:
+        return "No tensor holds a partial result" in str(error) and error.completed_elements == (0,)
+    return "returned normally"
+
+
+def test_a_peer_dying_mid_exchange_is_a_collective_error_and_changes_nothing():
+    results = run_workers(_peer_dies_before_sending, 2, victims=(1,), timeout=60, gloo_timeout=10)
+    assert results[0] is True

@@ -152,3 +152,14 @@ def test_period_one_warns_like_torch():
         puredist.periodic_averager(1)
     with pytest.warns(UserWarning, match="maximum period in arg ``period_group_size_dict`` is 1"):
         puredist.hierarchical_averager({1: 2})
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_pure_results_are_fresh_tensors_with_a_row_each(group_size):
+    """A pure mean over the whole group must not hand back rows sharing one memory
+    location (an expanded view): writing one row would write them all."""
+    x = torch.randn(4, 3)
+    out = average([x], collective=SimulatedCollective(4), group_size=group_size)[0]
+    out[0].fill_(7.0)
+    assert not torch.equal(out[1], out[0])
+    average_([out], collective=SimulatedCollective(4))  # averaging it in place is allowed

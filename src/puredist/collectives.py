@@ -118,14 +118,16 @@ def divides_first(dtype: torch.dtype) -> bool:
 
 def block_mean(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
     """The mean of a ``[R, *shape]`` tensor within each block of ``group_size``
-    consecutive rows, broadcast back to every row of the block (a new tensor), with
-    the division rule of the module docstring. Differentiable."""
+    consecutive rows, broadcast back to every row of the block (a new contiguous
+    tensor, every row its own memory), with the division rule of the module
+    docstring. Differentiable."""
     blocks = tensor.unflatten(0, (tensor.shape[0] // group_size, group_size))
     if divides_first(tensor.dtype):
         means = (blocks / group_size).sum(dim=1, keepdim=True)
     else:
         means = blocks.sum(dim=1, keepdim=True) / group_size
-    return means.expand_as(blocks).flatten(0, 1)
+    # contiguous: with one block, flatten would return a view whose rows share memory
+    return means.expand_as(blocks).flatten(0, 1).contiguous()
 
 
 class _AllReduceMean(torch.autograd.Function):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
+from puredist._staged import nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
 __all__ = [
@@ -115,7 +116,7 @@ def int4_blocks(block_size: int = 128) -> Compressor:
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
         packed, scales = payload
-        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(scales.numel(), -1)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1, block_size)
         return ((nibbles.float() - 8) * scales[:, None]).flatten()[:numel]
 
     return Compressor(f"int4_blocks({block_size})", encode, decode)
@@ -132,7 +133,7 @@ def top_k(fraction: float) -> Compressor:
         raise ValueError(f"Arg ``fraction`` must be in (0, 1], got {fraction!r}.")
 
     def encode(x: torch.Tensor) -> Payload:
-        k = max(1, math.ceil(fraction * x.numel())) if x.numel() else 0
+        k = max(1, math.ceil(round(fraction * x.numel(), 9))) if x.numel() else 0  # 0.07 * 100 is 7, not 8
         indices = x.abs().topk(k, sorted=False).indices
         return x[indices], indices.to(torch.int32)
 
@@ -183,28 +184,42 @@ def compressed_mean(
 
     Raises:
         TypeError: a non-floating-point leaf, or another kind of collective.
-        RankMismatchError: ranks pass different layouts or contexts.
+        ValueError: an inf or NaN in a leaf plus its residual (on every rank: any
+            rank's non-finite value is part of the rank check).
+        RankMismatchError: ranks pass different layouts or contexts, or some ranks
+            hold non-finite values and others not.
+        CollectiveError: the all-gather failed (nothing was written; the residuals
+            passed in are still the state to continue from).
     """
     for position, leaf in enumerate(leaves):
         if not leaf.is_floating_point():
             raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
     simulated = isinstance(collective, SimulatedCollective)
-    if not simulated:
-        if not isinstance(collective, DistributedCollective):
-            raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
-        collective.check_same_on_all_ranks(leaves, context=context, what="a compressed averaging")
-    if not leaves:
-        return [], []
+    if not simulated and not isinstance(collective, DistributedCollective):
+        raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
+    if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
+        return [leaf.detach().clone() for leaf in leaves], list(residuals)
     count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
     # all leaves in one flat payload: one set of collectives, blocks may span leaves
     rows = torch.cat(
         [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
         dim=1,
     )
+    finite = bool(torch.isfinite(rows).all())
+    if not simulated:  # every rank learns whether any rank has a non-finite value
+        collective.check_same_on_all_ranks(leaves, context=f"{context} finite={finite}", what="a compressed averaging")
+    if not finite:
+        raise ValueError(
+            f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN: a block's scale, and then the "
+            f"residual, would be non-finite for good. Nothing was sent; skip this step (e.g. an AMP overflow). {context}"
+        )
     sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
     payloads = [compressor.encode(row) for row in rows]
     left = rows - torch.stack([compressor.decode(p, numel) for p in payloads])
-    everyone = payloads if simulated else _gathered_payloads(payloads[0], collective)
+    try:
+        everyone = payloads if simulated else _gathered_payloads(payloads[0], collective)
+    except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+        raise nothing_changed(leaves, "A compressed averaging's all-gather", error) from error
     mean = sum(compressor.decode(p, numel) for p in everyone) / len(everyone)
     means = [
         part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone()

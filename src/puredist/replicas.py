@@ -39,8 +39,9 @@ def _replica_mean_op(tensor: torch.Tensor, group_size: int, num_replicas: int) -
     """Outside ``vmap`` there is no replica axis: only a group of one is a mean."""
     if group_size != 1:
         raise RuntimeError(
-            f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap (or with "
-            "its replica axis not the innermost vmap): there is no replica axis to average over."
+            f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap, on a tensor "
+            "the vmap does not map (in_dims=None: pass it mapped, e.g. expanded), or with its replica "
+            "axis not the innermost vmap: there is no replica axis to average over."
         )
     return tensor.clone()
 
@@ -51,9 +52,7 @@ def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
-    dim = in_dims[0]
-    if dim is None:  # the same value on every replica: it is its own mean
-        return tensor.clone(), None
+    dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
     if info.batch_size != num_replicas:
         raise ValueError(
             f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
