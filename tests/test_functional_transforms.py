@@ -175,3 +175,13 @@ def test_the_gradient_of_an_average_on_real_ranks_is_the_average_of_the_gradient
     closed_form = (results[0][0] + results[1][0]) / 2
     for _, autograd_grad, functional_grad in results:
         assert torch.allclose(autograd_grad, closed_form) and torch.allclose(functional_grad, closed_form)
+
+
+def _distributed_under_vmap(rank, world_size):
+    with pytest.raises(ValueError, match="use puredist.VmapCollective"):
+        vmap(lambda t: average(t, collective=puredist.DistributedCollective()))(torch.ones(3, 2))
+    return True
+
+
+def test_a_distributed_collective_under_vmap_points_to_the_vmap_collective():
+    assert run_workers(_distributed_under_vmap, 2) == [True, True]

@@ -152,6 +152,13 @@ class _AllReduceMean(torch.autograd.Function):
         means = _AllReduceMean.apply(ctx.collective, ctx.group_size, f"backward of {ctx.context}", *grads)
         return (None, None, None, *means)
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise ValueError(
+            "A DistributedCollective cannot average inside torch.func.vmap (each process is one rank); "
+            "for simulated ranks mapped by vmap use puredist.VmapCollective(num_replicas)."
+        )
+
 
 class DistributedCollective:
     """Mean over real ranks of a ``torch.distributed`` process group.
