@@ -215,12 +215,18 @@ def compressed_mean(
         )
     sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
     payloads = [compressor.encode(row) for row in rows]
-    left = rows - torch.stack([compressor.decode(p, numel) for p in payloads])
-    try:
-        everyone = payloads if simulated else _gathered_payloads(payloads[0], collective)
-    except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
-        raise nothing_changed(leaves, "A compressed averaging's all-gather", error) from error
-    mean = sum(compressor.decode(p, numel) for p in everyone) / len(everyone)
+    sent = [compressor.decode(p, numel) for p in payloads]
+    left = rows - torch.stack(sent)
+    if simulated:
+        decoded = sent
+    else:
+        try:
+            gathered = _gathered_payloads(payloads[0], collective)
+        except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+            raise nothing_changed(leaves, "A compressed averaging's all-gather", error) from error
+        # this rank's own payload is already decoded (decoding is deterministic)
+        decoded = [sent[0] if r == collective.rank else compressor.decode(p, numel) for r, p in enumerate(gathered)]
+    mean = sum(decoded) / len(decoded)
     means = [
         part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone()
         for part, leaf, size in zip(mean.split(sizes), leaves, sizes)

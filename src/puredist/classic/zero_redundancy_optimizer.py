@@ -260,10 +260,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """Step the owned parameters among ``indices`` with ``grads`` (aligned with
         all parameters) and start the owners' broadcasts of all of ``indices``."""
         params, indices = self._all_params, list(indices)
-        owned = [params[i] for i in self._plan.owned_by(self._rank)]
-        position = {id(p): i for i, p in enumerate(params)}
-        chosen = set(indices)
-        with _gradients(owned, [grads[position[id(p)]] if position[id(p)] in chosen else None for p in owned]):
+        owned, chosen = self._plan.owned_by(self._rank), set(indices)
+        with _gradients([params[i] for i in owned], [grads[i] if i in chosen else None for i in owned]):
             self._local_step()
         return broadcast_from_owners_(params, indices, self._plan, self._collective)
 
