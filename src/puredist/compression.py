@@ -9,15 +9,25 @@ A :class:`Compressor` turns a flat fp32 tensor into a small payload and back:
   indices (int32); the rest are sent as zeros.
 
 :func:`compressed_averager` averages a parameter (or pseudo-gradient) pytree over the
-ranks with those payloads: every rank adds its error-feedback residual to its tensor,
-sends the compressed value, keeps what was lost as the next residual, and decodes
-every rank's payload to take the mean in fp32 — the same mean, bit for bit, on every
-rank. What is sent plus the final residual telescopes to the true sum over steps:
-``sum_t sent_t + residual_T = sum_t x_t``. The residuals are the state (checkpoint them
-with the rest).
+``W`` ranks with those payloads, in two phases, like a reduce-scatter then an all-gather:
+every rank adds its error-feedback residual ``e`` to its tensor (``v = x + e``) and cuts
+it into ``W`` equal chunks; rank ``c`` owns chunk ``c``.
 
-Bytes on the wire are the payload's (an all-gather of each payload tensor): int8
-``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k`` per rank.
+1. Every rank sends chunk ``c`` compressed to its owner (an all-to-all); the owner
+   decodes them and takes the mean ``m_c`` in fp32 (rank order), its own chunk exact.
+2. Every owner compresses ``m_c`` and sends it to all (an all-gather); every rank
+   decodes every chunk: the same result, bit for bit, on every rank.
+
+What a rank's chunks lost in phase 1 is its next residual there; what ``m_c`` lost in
+phase 2, times ``W``, is the owner's next residual on chunk ``c`` (which it sends exact
+next time). So the result is ``(1/W) sum_r (x_r + e_r - e_r')`` and error feedback
+telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The
+residuals are the state (checkpoint them with the rest).
+
+Bytes on the wire per rank: ``2 (W - 1) / W`` payloads of the whole tensor, as a ring
+all-reduce sends ``2 (W - 1) / W`` tensors: the format's ratio (payload of ``n`` floats:
+int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``; top-k
+selects within each chunk).
 """
 
 from __future__ import annotations
@@ -164,8 +174,19 @@ class CompressedAverager(NamedTuple):
     update: Callable[..., tuple[PyTree, CompressionState]]
 
 
+def _exchanged_chunks(payload: Payload, collective: DistributedCollective) -> list[Payload]:
+    """Phase 1: ``payload``'s tensors are stacked per destination rank (row ``c`` goes
+    to rank ``c``); returns the row each rank sent to this one, in rank order."""
+    parts = []
+    for tensor in payload:
+        received = torch.empty_like(tensor)
+        dist.all_to_all_single(received, tensor.contiguous(), group=collective.process_group)
+        parts.append(received.unbind(0))
+    return list(zip(*parts))
+
+
 def _gathered_payloads(payload: Payload, collective: DistributedCollective) -> list[Payload]:
-    """Every rank's payload, in rank order."""
+    """Phase 2: every rank's payload, in rank order."""
     group, size = collective.process_group, collective.world_size
     parts = []
     for tensor in payload:
@@ -175,12 +196,32 @@ def _gathered_payloads(payload: Payload, collective: DistributedCollective) -> l
     return list(zip(*parts))
 
 
+def _stacked(payloads: list[Payload]) -> Payload:
+    return tuple(torch.stack(tensors) for tensors in zip(*payloads))
+
+
+def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 mean, summed in list order: the same bits wherever it is computed."""
+    return sum(chunks) / len(chunks)
+
+
+def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> bool:
+    """Raises on a non-float leaf or another kind of collective; True if simulated."""
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
+    simulated = isinstance(collective, SimulatedCollective)
+    if not simulated and not isinstance(collective, DistributedCollective):
+        raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
+    return simulated
+
+
 def compressed_mean(
     leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
     *, context: str,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The means of ``leaves`` (new tensors, their dtypes) and the new fp32 residuals,
-    by the rule of :func:`compressed_averager`; ``context`` joins the rank check.
+    by the two-phase rule of this module; ``context`` joins the rank check.
 
     Raises:
         TypeError: a non-floating-point leaf, or another kind of collective.
@@ -188,19 +229,15 @@ def compressed_mean(
             rank's non-finite value is part of the rank check).
         RankMismatchError: ranks pass different layouts or contexts, or some ranks
             hold non-finite values and others not.
-        CollectiveError: the all-gather failed (nothing was written; the residuals
-            passed in are still the state to continue from).
+        CollectiveError: the all-to-all or the all-gather failed (nothing was written;
+            the residuals passed in are still the state to continue from).
     """
-    for position, leaf in enumerate(leaves):
-        if not leaf.is_floating_point():
-            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
-    simulated = isinstance(collective, SimulatedCollective)
-    if not simulated and not isinstance(collective, DistributedCollective):
-        raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
+    simulated = _check_compressible(leaves, collective)
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], list(residuals)
-    count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
-    # all leaves in one flat payload: one set of collectives, blocks may span leaves
+    world = collective.world_size
+    count = world if simulated else 1  # rows: one per (simulated) rank
+    # all leaves in one flat row, zero-padded into W equal chunks: blocks may span leaves
     rows = torch.cat(
         [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
         dim=1,
@@ -214,35 +251,60 @@ def compressed_mean(
             f"residual, would be non-finite for good. Nothing was sent; skip this step (e.g. an AMP overflow). {context}"
         )
     sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
-    payloads = [compressor.encode(row) for row in rows]
-    sent = [compressor.decode(p, numel) for p in payloads]
-    left = rows - torch.stack(sent)
+    chunk = -(-numel // world)
+    chunks = torch.nn.functional.pad(rows, (0, chunk * world - numel)).view(count, world, chunk)
+    # phase 1: chunk c of every row, compressed, to its owner c (the owner's own chunk exact)
+    owners = range(world) if simulated else [collective.rank]  # the rank of each row
+    payloads = [[compressor.encode(chunks[row, c]) for c in range(world)] for row in range(count)]
+    kept = torch.stack([  # what the owners receive: each row's chunks as decoded, its own exact
+        torch.stack([chunks[row, c] if c == owner else compressor.decode(payloads[row][c], chunk) for c in range(world)])
+        for row, owner in enumerate(owners)
+    ])
     if simulated:
-        decoded = sent
+        means = [_mean_in_rank_order([kept[q, c] for q in range(world)]) for c in owners]
     else:
         try:
-            gathered = _gathered_payloads(payloads[0], collective)
+            received = _exchanged_chunks(_stacked(payloads[0]), collective)
         except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+            raise nothing_changed(leaves, "A compressed averaging's all-to-all", error) from error
+        mine = collective.rank
+        means = [_mean_in_rank_order(
+            [kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)]
+        )]
+    # phase 2: every owner's mean, compressed, to everybody
+    final_payloads = [compressor.encode(m) for m in means]
+    finals = [compressor.decode(p, chunk) for p in final_payloads]
+    if simulated:
+        decoded = finals
+    else:
+        try:
+            gathered = _gathered_payloads(final_payloads[0], collective)
+        except RuntimeError as error:
             raise nothing_changed(leaves, "A compressed averaging's all-gather", error) from error
-        # this rank's own payload is already decoded (decoding is deterministic)
-        decoded = [sent[0] if r == collective.rank else compressor.decode(p, numel) for r, p in enumerate(gathered)]
-    mean = sum(decoded) / len(decoded)
-    means = [
+        decoded = [finals[0] if c == collective.rank else compressor.decode(p, chunk) for c, p in enumerate(gathered)]
+    left = chunks - kept
+    for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost
+        left[row, owner] = world * (means[row] - finals[row])
+    mean = torch.cat(decoded)[:numel]
+    left = left.reshape(count, -1)[:, :numel]
+    outputs = [
         part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone()
         for part, leaf, size in zip(mean.split(sizes), leaves, sizes)
     ]
     new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
-    return means, new_residuals
+    return outputs, new_residuals
 
 
 def compressed_averager(compressor: Compressor) -> CompressedAverager:
     """Average pytrees over all ranks with ``compressor``'s payloads and error feedback.
 
-    For rank ``r`` at step ``t``: ``v_r = x_r + e_r``, ``s_r = decode(encode(v_r))``,
-    ``e_r <- v_r - s_r``, and every rank returns ``(1/W) sum_r s_r`` (fp32 sum in rank
-    order, cast to each leaf's dtype). All leaves travel as one flat payload (one
-    all-gather per payload tensor), so quantization blocks and top-k span leaves. With a :class:`~puredist.SimulatedCollective`
-    the leaves are stacked ``[W, *shape]`` and so are the residuals.
+    For rank ``r`` at step ``t``, with ``v_r = x_r + e_r`` cut into ``W`` chunks, every
+    rank returns the same ``mean = (1/W) sum_r (v_r - e_r')`` (cast to each leaf's
+    dtype), by the two phases of the module: ``e_r'`` is what chunk ``c``'s payload lost
+    (``c != r``) and, on its own chunk ``r``, ``W`` times what the compressed mean lost.
+    All leaves travel as one flat row, so quantization blocks and top-k span leaves.
+    With a :class:`~puredist.SimulatedCollective` the leaves are stacked ``[W, *shape]``
+    and so are the residuals.
 
     Returns:
         A :class:`CompressedAverager`. ``update`` is pure: the inputs and the state
