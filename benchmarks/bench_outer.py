@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import puredist
 from _measure import interleaved_medians, mib
-from puredist.demo.training import bytes_written
+from puredist.demo.wire import bytes_written
 
 
 def main() -> None:

@@ -27,39 +27,94 @@ def tiny_run(tmp_path_factory):
     return done, out
 
 
+ALGORITHMS = ["ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk"]
+
+
 def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
     done, out = tiny_run
     assert done.returncode == 0, done.stderr
-    algorithms = ["ddp", "periodic", "hierarchical", "zero", "diloco", "diloco_int4", "diloco_topk"]
-    for algorithm in algorithms:
+    for algorithm in ALGORITHMS:
         assert f"  {algorithm}" in done.stdout
+    assert "PROJECTED (network model, not measured)" in done.stdout
     assert (out / "demo.png").stat().st_size > 10_000
     summary = json.loads((out / "results.json").read_text())
-    assert list(summary) == algorithms
-    for row in summary.values():
-        assert row["heldout_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
+    assert summary["task"] == "digits" and summary["world_size"] == 2
+    assert list(summary["algorithms"]) == ALGORITHMS
+    for row in summary["algorithms"].values():
+        assert row["eval_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
         # the held-out loss of the averaged model falls below a uniform guess's (ln 10)
-        assert row["heldout_loss"] < 2.0 and row["heldout_loss"] == row["evaluations"][-1][2]
-        assert len(row["train_losses"]) == 40
+        assert row["eval_loss"] < 2.0 and row["eval_loss"] == row["evaluations"][-1][2]
+        assert len(row["train_losses"]) == 40 and len(row["step_bytes"]) == 40
         assert row["state_bytes_max"] > 0
+        # the per-step bytes add up to the total (the slowest worker's at each step)
+        assert sum(row["step_bytes"]) >= row["bytes_per_worker_max"] * 0.99
 
 
 def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     _, out = tiny_run
-    summary = json.loads((out / "results.json").read_text())
+    runs = json.loads((out / "results.json").read_text())["algorithms"]
     # ZeRO overlapped with DDP is DDP + SGD, step for step
-    assert summary["zero"]["heldout_loss"] == pytest.approx(summary["ddp"]["heldout_loss"], rel=1e-5)
+    assert runs["zero"]["eval_loss"] == pytest.approx(runs["ddp"]["eval_loss"], rel=1e-5)
     # and a worker holds less optimizer state (its shard: here the largest of 4 tensors);
     # DiLoCo holds more (the global copy and the outer momentum besides the inner state)
-    assert summary["zero"]["state_bytes_max"] < summary["ddp"]["state_bytes_max"] < summary["diloco"]["state_bytes_max"]
+    assert runs["zero"]["state_bytes_max"] < runs["ddp"]["state_bytes_max"] < runs["diloco"]["state_bytes_max"]
     # periodic averaging all-reduces parameters on 4 of 40 steps, DDP gradients on all 40
-    assert summary["periodic"]["bytes_sent"] < 0.3 * summary["ddp"]["bytes_sent"]
+    assert runs["periodic"]["bytes_per_worker"] < 0.3 * runs["ddp"]["bytes_per_worker"]
     # ZeRO adds the owners' broadcasts to DDP's all-reduce
-    assert summary["zero"]["bytes_sent"] > summary["ddp"]["bytes_sent"]
+    assert runs["zero"]["bytes_per_worker"] > runs["ddp"]["bytes_per_worker"]
     # DiLoCo syncs as often as periodic averaging, with bf16 pseudo-gradients: about half
-    assert 0.4 < summary["diloco"]["bytes_sent"] / summary["periodic"]["bytes_sent"] < 0.7
-    # 4-bit payloads send less than bf16, top-1 % less still (the rest is fixed overhead)
-    assert summary["diloco_topk"]["bytes_sent"] < summary["diloco_int4"]["bytes_sent"] < summary["diloco"]["bytes_sent"]
+    assert 0.4 < runs["diloco"]["bytes_per_worker"] / runs["periodic"]["bytes_per_worker"] < 0.7
+    # streaming DiLoCo sends each fragment as often as DiLoCo sends the whole model: the
+    # same bytes in twice the messages, within the fixed overhead of each
+    assert 0.7 < runs["streaming"]["bytes_per_worker"] / runs["diloco"]["bytes_per_worker"] < 1.5
+    # int8, 4-bit, top-1 %: less and less (the rest is fixed overhead)
+    sent = [runs[a]["bytes_per_worker"] for a in ("diloco", "diloco_int8", "diloco_int4", "diloco_topk")]
+    assert sent == sorted(sent, reverse=True) and len(set(sent)) == 4
+
+
+def test_the_projection_follows_the_network_model(tiny_run):
+    _, out = tiny_run
+    summary = json.loads((out / "results.json").read_text())
+    model, runs = summary["network_model"], summary["algorithms"]
+    assert model["projected_not_measured"] and model["target_from"] == "ddp"
+    compute = model["compute_s_per_step"]
+    assert 0 < compute < 1.0
+    # DDP reaches its own final loss at the last step, by definition
+    assert runs["ddp"]["steps_to_target"] == 40
+    for name, row in runs.items():
+        reached = next((step for step, _, loss, _ in row["evaluations"] if loss <= model["target_eval_loss"]), None)
+        assert row["steps_to_target"] == reached, name
+        for link in model["links"]:
+            projected = row["projected_s"][link["name"]]
+            if reached is None:
+                assert projected is None
+                continue
+            sent = [b for b in row["step_bytes"][:reached] if b]
+            expected = reached * compute + sum(sent) / link["bytes_per_second"] + len(sent) * 2 * link["latency_s"]
+            assert projected == pytest.approx(expected, rel=1e-9), (name, link)
+
+
+def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_run):
+    _, out = tiny_run
+    summary = json.loads((out / "results.json").read_text())
+    model, runs = summary["network_model"], summary["algorithms"]
+    for link in model["links"]:
+        whole_runs = {name: _projected(row["step_bytes"], 40, model["compute_s_per_step"], link) for name, row in runs.items()}
+        budget = model["budget_s"][link["name"]]
+        assert budget == pytest.approx(min(whole_runs.values()), rel=1e-9)
+        for name, row in runs.items():
+            in_time = [loss for step, _, loss, _ in row["evaluations"]
+                       if _projected(row["step_bytes"], step, model["compute_s_per_step"], link) <= budget * (1 + 1e-9)]
+            assert row["projected_loss_within_budget"][link["name"]] == min(in_time, default=None), (name, link)
+    # on the slowest link, local methods send a fraction of DDP's bytes and so get further than DDP in the same time
+    slowest = model["links"][-1]["name"]
+    assert runs["diloco"]["projected_loss_within_budget"][slowest] < runs["ddp"]["projected_loss_within_budget"][slowest]
+
+
+def _projected(step_bytes, steps, compute, link, world_size=2):
+    """The network model, written out again: compute, bytes over bandwidth, 2 (W - 1) latencies per sending step."""
+    sent = [b for b in step_bytes[:steps] if b]
+    return steps * compute + sum(sent) / link["bytes_per_second"] + len(sent) * 2 * (world_size - 1) * link["latency_s"]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +123,7 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
         (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
         (["--steps", "many"], "--steps: expected a whole number"),
         (["--algorithms", "ddp,sparkle"], "unknown algorithm(s) ['sparkle']"),
+        (["--task", "poetry"], "--task: invalid choice: 'poetry'"),
     ],
 )
 def test_bad_options_give_a_message_and_exit_2(options, message, capsys):
@@ -106,7 +162,7 @@ def test_missing_demo_extras_give_the_install_hint_before_anything_starts(absent
 def test_help_explains_the_options():
     done = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
     assert done.returncode == 0
-    for option in ("--world-size", "--steps", "--algorithms", "--output", "--seed"):
+    for option in ("--task", "--world-size", "--steps", "--algorithms", "--output", "--seed"):
         assert option in done.stdout
 
 

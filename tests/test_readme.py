@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from puredist.demo.report import table
+from puredist.demo.network import LINKS
+from puredist.demo.report import projection_table, table
 from workers import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +44,22 @@ def test_shell_blocks_use_real_targets_and_files():
             assert (ROOT / path).is_file(), path
 
 
-def test_sample_output_has_the_demo_table_header():
-    row = {"heldout_accuracy": 1.0, "heldout_loss": 0.0, "wall_s": 1.0, "bytes_sent": 1, "bytes_sent_max": 1,
-           "state_bytes_max": 1}
-    header = table({"ddp": row}).splitlines()[0]
-    assert header in TEXT[0]
+def _summary():
+    row = {"eval_accuracy": 1.0, "eval_loss": 0.0, "wall_s": 1.0, "bytes_per_worker": 1, "bytes_per_worker_max": 1,
+           "state_bytes_max": 1, "steps_to_target": 1, "projected_s": {}, "projected_loss_within_budget": {}}
+    links = [link._asdict() for link in LINKS]
+    for link in links:
+        row["projected_s"][link["name"]] = row["projected_loss_within_budget"][link["name"]] = 1.0
+    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_from": "ddp", "links": links,
+             "budget_s": {link["name"]: 1.0 for link in links}}
+    return {"algorithms": {"ddp": row}, "network_model": model}
+
+
+def test_sample_outputs_have_the_demo_tables_headers():
+    header = table(_summary()).splitlines()[0]
+    measured = [block for block in TEXT if block.startswith("algorithm")]
+    assert len(measured) == 2  # digits and the language model
+    assert all(block.splitlines()[0] == header for block in measured)
+    links_header = next(line for line in projection_table(_summary()).splitlines() if line.startswith("algorithm"))
+    projected = [block for block in TEXT if block.startswith("PROJECTED")]
+    assert len(projected) == 1 and links_header in projected[0].splitlines()

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from puredist.demo.training import ALGORITHMS
+from puredist.demo.training import ALGORITHMS, TASKS
 
 
 def _positive_int(text: str) -> int:
@@ -44,16 +44,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m puredist demo",
         description=(
-            "Train a small MLP on scikit-learn's handwritten digits with local worker processes "
-            "(Gloo on 127.0.0.1, no GPU, no network), once per algorithm, and compare held-out "
-            "accuracy, loss, wall time and the bytes each worker sent. Algorithms: ddp (gradient "
-            "all-reduce every step), periodic (post-local SGD: average every 8 steps), hierarchical "
-            "(pairs every 2 steps, everybody every 8), zero (ZeRO optimizer step overlapped with DDP), "
-            "diloco (outer Nesterov SGD on bf16 pseudo-gradients every 8 steps)."
+            "Train a task with local worker processes (Gloo on 127.0.0.1, no GPU, no network), once "
+            "per algorithm, and compare the averaged model's held-out loss and accuracy, wall time, "
+            "the bytes each worker sent and the optimizer state it held; then project, from the "
+            "measured bytes and compute time, the time each would take to reach the first "
+            "algorithm's loss over real links. Tasks: digits (an MLP on scikit-learn's handwritten "
+            "digits, SGD, H=8, ~30 s) and lm (a character-level GPT on CPython's documentation, "
+            "AdamW, H=16, ~6 min). Algorithms: ddp (gradient all-reduce every step), periodic "
+            "(post-local SGD: average every H steps), hierarchical (pairs every H/4 steps, everybody "
+            "every H), zero (ZeRO optimizer step overlapped with DDP), diloco (outer Nesterov SGD on "
+            "bf16 pseudo-gradients every H steps), streaming (DiLoCo in 2 fragments, each applied 2 "
+            "steps after it starts), diloco_int8, diloco_int4, diloco_topk (int8, 4-bit, top-1% "
+            "pseudo-gradients with error feedback)."
         ),
     )
     parser.add_argument("--world-size", type=_positive_int, default=4, help="worker processes (default 4)")
-    parser.add_argument("--steps", type=_positive_int, default=300, help="training steps per algorithm (default 300)")
+    parser.add_argument("--task", choices=list(TASKS), default="digits", help="what to train (default digits)")
+    parser.add_argument(
+        "--steps", type=_positive_int, default=None,
+        help="training steps per algorithm (default: " + ", ".join(f"{t.default_steps} for {t.name}" for t in TASKS.values()) + ")",
+    )
     parser.add_argument(
         "--algorithms", type=_algorithms, default=list(ALGORITHMS),
         help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)",
@@ -91,7 +101,7 @@ def _launch(args: argparse.Namespace) -> dict:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    job = {"steps": args.steps, "algorithms": args.algorithms, "seed": args.seed}
+    job = {"task": args.task, "steps": args.steps, "algorithms": args.algorithms, "seed": args.seed}
     return elastic_launch(config, worker_main)(job)
 
 
@@ -143,9 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from puredist.demo.report import plot, summarize, table
+    from puredist.demo.report import plot, projection_table, summarize, table
 
-    print(f"puredist demo: {args.world_size} workers on 127.0.0.1 (Gloo), {args.steps} steps per algorithm")
+    task = TASKS[args.task]
+    args.steps = args.steps or task.default_steps
+    print(f"puredist demo: {task.title}; {args.world_size} workers on 127.0.0.1 (Gloo), {args.steps} steps per algorithm")
     started = time.perf_counter()
     try:
         results = _launch(args)
@@ -155,9 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as error:
         print(f"\nerror: a worker failed:\n{error.format_msg()}", file=sys.stderr)
         return 1
-    summary = summarize(results)
+    summary = summarize(results, task.name, task.title)
     print()
     print(table(summary))
+    print()
+    print(projection_table(summary))
     (args.output / "results.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output / "demo.png")
     print(f"\nwrote {args.output / 'demo.png'} and {args.output / 'results.json'} "

@@ -1,67 +1,163 @@
-"""The demo's summary: a table on stdout and a PNG of the curves."""
+"""The demo's summary: tables on stdout (measured, then projected) and a PNG of the curves."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from puredist.demo import network
+
 LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))
 """One per algorithm, so that curves that coincide (ZeRO is DDP step for step) stay visible."""
 
 
-def summarize(results: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per algorithm: the averaged model's held-out loss and accuracy (as evaluated
-    at the end), the slowest rank's wall time, bytes sent per worker (mean and
-    largest), optimizer state per worker (largest), and rank 0's curves."""
-    summary = {}
-    for algorithm, run in results[0].items():
+def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict[str, Any]:
+    """The job's summary (what ``results.json`` holds).
+
+    Per algorithm (``"algorithms"``): the averaged model's held-out loss and accuracy
+    as evaluated at the end (``eval_loss``, ``eval_accuracy``), the slowest rank's wall
+    time, bytes sent per worker (mean and largest), the optimizer state a worker holds
+    (largest), rank 0's curves, the slowest worker's bytes per step, and the network
+    model's projection (``steps_to_target``, ``projected_s`` per link: None where the
+    target was not reached). ``"network_model"``: its inputs, the target being the first
+    algorithm's final held-out loss.
+    """
+    world_size = len(results)
+    runs = {}
+    for algorithm in results[0]:
         per_rank = [results[rank][algorithm] for rank in sorted(results)]
-        _, accuracy, loss, _ = run["evaluations"][-1]
-        summary[algorithm] = {
-            "heldout_loss": loss,
-            "heldout_accuracy": accuracy,
+        _, accuracy, loss, _ = per_rank[0]["evaluations"][-1]
+        runs[algorithm] = {
+            "eval_loss": loss,
+            "eval_accuracy": accuracy,
             "wall_s": max(r["wall_s"] for r in per_rank),
-            "bytes_sent": sum(r["bytes_sent"] for r in per_rank) / len(per_rank),
-            "bytes_sent_max": max(r["bytes_sent"] for r in per_rank),
+            "bytes_per_worker": sum(r["bytes_sent"] for r in per_rank) / world_size,
+            "bytes_per_worker_max": max(r["bytes_sent"] for r in per_rank),
             "state_bytes_max": max(r["state_bytes"] for r in per_rank),
-            "train_losses": run["losses"],
+            "train_losses": per_rank[0]["losses"],
             # (step, held-out accuracy, held-out loss, mean bytes sent per worker so far)
             "evaluations": [
-                (step, acc, loss, sum(r["evaluations"][k][3] for r in per_rank) / len(per_rank))
-                for k, (step, acc, loss, _) in enumerate(run["evaluations"])
+                (step, acc, loss, sum(r["evaluations"][k][3] for r in per_rank) / world_size)
+                for k, (step, acc, loss, _) in enumerate(per_rank[0]["evaluations"])
             ],
+            "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
         }
-    return summary
+    compute_s = network.compute_seconds(
+        [r[a]["step_seconds"] for r in results.values() for a in r], [r[a]["step_bytes"] for r in results.values() for a in r]
+    )
+    target = next(iter(runs.values()))["eval_loss"]
+    budgets = {}
+    for link in network.LINKS:
+        if compute_s is not None:  # the shortest whole run on this link: every run's measurements cover it
+            budgets[link.name] = min(
+                network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size)
+                for run in runs.values()
+            )
+    for run in runs.values():
+        curve = [(step, loss) for step, _, loss, _ in run["evaluations"]]
+        reached = network.steps_to_reach(curve, target)
+        run["steps_to_target"] = reached
+        run["projected_s"], run["projected_loss_within_budget"] = {}, {}
+        for link in network.LINKS:
+            known = compute_s is not None
+            run["projected_s"][link.name] = (
+                network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size)
+                if known and reached is not None else None
+            )
+            run["projected_loss_within_budget"][link.name] = (
+                network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name])
+                if known else None
+            )
+    return {
+        "task": task,
+        "title": title,
+        "world_size": world_size,
+        "algorithms": runs,
+        "network_model": {
+            "projected_not_measured": True,
+            "target_eval_loss": target,
+            "target_from": next(iter(runs)),
+            "compute_s_per_step": compute_s,
+            "budget_s": budgets,
+            "links": [link._asdict() for link in network.LINKS],
+        },
+    }
 
 
-def table(summary: dict[str, dict[str, Any]]) -> str:
-    """A fixed-width table: the averaged model's held-out loss and accuracy, wall time,
-    bytes sent per worker (mean, largest, the mean's ratio to the first algorithm's),
-    and the optimizer state a worker holds."""
-    first = next(iter(summary.values()))["bytes_sent"] or 1
+def table(summary: dict[str, Any]) -> str:
+    """A fixed-width table of what was measured: the averaged model's held-out loss
+    and accuracy, wall time, bytes sent per worker (mean, largest, the mean's ratio to
+    the first algorithm's), and the optimizer state a worker holds."""
+    runs = summary["algorithms"]
+    first = next(iter(runs.values()))["bytes_per_worker"] or 1
     lines = [
         f"{'algorithm':14s} {'held-out loss':>13s} {'acc':>6s} {'wall':>6s} "
-        f"{'sent/worker':>12s} {'max':>9s} {'vs first':>8s} {'opt state':>10s}",
+        f"{'sent/worker':>12s} {'max':>10s} {'vs first':>8s} {'opt state':>10s}",
     ]
-    for algorithm, row in summary.items():
+    for algorithm, row in runs.items():
         lines.append(
-            f"{algorithm:14s} {row['heldout_loss']:13.3f} {100 * row['heldout_accuracy']:5.1f}% {row['wall_s']:5.1f}s "
-            f"{row['bytes_sent'] / 2**20:8.2f} MiB {row['bytes_sent_max'] / 2**20:5.2f} MiB "
-            f"{row['bytes_sent'] / first:7.2f}x {row['state_bytes_max'] / 2**10:6.1f} KiB"
+            f"{algorithm:14s} {row['eval_loss']:13.3f} {100 * row['eval_accuracy']:5.1f}% {row['wall_s']:5.1f}s "
+            f"{_size(row['bytes_per_worker']):>12s} {_size(row['bytes_per_worker_max']):>10s} "
+            f"{row['bytes_per_worker'] / first:7.3f}x {_size(row['state_bytes_max']):>10s}"
         )
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
-    """Held-out loss of the averaged model against step and against bytes sent,
-    held-out accuracy against bytes sent, and rank 0's training loss."""
+def _size(count: float) -> str:
+    return f"{count / 2**10:.1f} KiB" if count < 2**20 else f"{count / 2**20:.2f} MiB"
+
+
+def _duration(seconds: float) -> str:
+    return f"{1000 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def _per_link(runs: dict[str, Any], links: list[str], field: str, show, first_column) -> list[str]:
+    """One line per algorithm: ``first_column(row)``, then ``row[field][link]`` shown by
+    ``show`` for each link, the lowest per link marked ``*``, ``-`` for None."""
+    lowest = {link: min((v for row in runs.values() if (v := row[field][link]) is not None), default=None) for link in links}
+    lines = []
+    for algorithm, row in runs.items():
+        cells = [
+            "-" if (value := row[field][link]) is None else show(value) + ("*" if value == lowest[link] else " ")
+            for link in links
+        ]
+        lines.append(f"{algorithm:14s} {first_column(row):>6s} " + " ".join(f"{cell:>12s}" for cell in cells))
+    return lines
+
+
+def projection_table(summary: dict[str, Any]) -> str:
+    """The network model's projections (see :mod:`puredist.demo.network`), per
+    algorithm and link: the time to reach the target loss, and the loss reached within
+    the link's time budget; the best per link marked ``*``, ``-`` where there is none."""
+    model = summary["network_model"]
+    if model["compute_s_per_step"] is None:
+        return "projected time: no step ran without communication, so compute time per step is unknown"
+    runs, links = summary["algorithms"], [link["name"] for link in model["links"]]
+    header = " ".join(f"{link:>12s}" for link in links)
+    return "\n".join([
+        f"PROJECTED (network model, not measured): {1000 * model['compute_s_per_step']:.1f} ms compute per step "
+        f"(measured here) plus each step's measured bytes and 2(W-1) latencies over the link",
+        f"time to reach held-out loss {model['target_eval_loss']:.3f} ({model['target_from']}'s final):",
+        f"{'algorithm':14s} {'step':>6s} " + header,
+        *_per_link(runs, links, "projected_s", _duration,
+                   lambda row: "-" if row["steps_to_target"] is None else str(row["steps_to_target"])),
+        "held-out loss reached within the same time (the fastest whole run's, per link):",
+        f"{'algorithm':14s} {'':6s} " + " ".join(f"{_duration(model['budget_s'][link]):>12s}" for link in links),
+        *_per_link(runs, links, "projected_loss_within_budget", lambda loss: f"{loss:.3f}", lambda row: ""),
+    ])
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Held-out loss of the averaged model against step and against bytes sent (log
+    scale: the algorithms span orders of magnitude), held-out accuracy against bytes
+    sent, and rank 0's training loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for index, (algorithm, row) in enumerate(summary.items()):
+    for index, (algorithm, row) in enumerate(summary["algorithms"].items()):
         style = dict(label=algorithm, linestyle=LINE_STYLES[index % len(LINE_STYLES)])
         steps, accuracies, losses, sent = zip(*row["evaluations"])
         mib = [b / 2**20 for b in sent]
@@ -81,8 +177,10 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
         axes[i][j].set_xlabel(x)
         axes[i][j].set_ylabel(y)
         axes[i][j].grid(alpha=0.3)
+        if x.startswith("MiB"):
+            axes[i][j].set_xscale("log")
         axes[i][j].legend()
-    figure.suptitle("puredist demo: handwritten digits, local Gloo workers")
+    figure.suptitle(f"puredist demo: {summary['title']}, {summary['world_size']} local Gloo workers")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

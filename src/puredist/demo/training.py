@@ -1,24 +1,32 @@
-"""One worker of the demo: train a small MLP on scikit-learn's handwritten digits
-(shipped inside the package, nothing downloaded) under each algorithm in turn.
+"""One worker of the demo: train a task (:mod:`puredist.demo.digits` or
+:mod:`puredist.demo.charlm`) under each algorithm in turn.
 
-Every worker trains on its own shard of the training set. Runs by algorithm:
+Every worker trains on its own shard of the training data, with the task's inner
+optimizer (SGD with momentum for digits, AdamW for the language model). Runs by
+algorithm (``H`` is the task's period: 8 for digits, 16 for the language model):
 
-- ``ddp``: DDP + ``torch.optim.SGD``, gradients all-reduced every step (baseline).
-- ``periodic``: post-local SGD in the functional style: ``torch.func`` gradients,
-  :func:`puredist.sgd` over explicit state, :func:`puredist.periodic_averager`.
-- ``hierarchical``: the same with :func:`puredist.hierarchical_averager` (pairs
-  average often, everybody rarely).
+- ``ddp``: DDP + the ``torch.optim`` optimizer, gradients all-reduced every step (baseline).
+- ``periodic``: post-local SGD in the functional style: ``torch.func`` gradients, the
+  :mod:`puredist.optim` optimizer over explicit state, :func:`puredist.periodic_averager`
+  (every ``H`` steps).
+- ``hierarchical``: the same with :func:`puredist.hierarchical_averager` (pairs every
+  ``H/4`` steps, everybody every ``H``).
 - ``zero``: DDP + :class:`puredist.classic.ZeroRedundancyOptimizer` overlapped with
   the backward through :func:`puredist.classic.hook_with_zero_step_interleaved`.
 - ``diloco``: :func:`puredist.outer_optimizer` with DiLoCo's outer Nesterov SGD
-  (lr 0.7, momentum 0.9) every 8 steps, bf16 pseudo-gradients.
-- ``diloco_int4``, ``diloco_topk``: the same with 4-bit block-quantized (blocks of
-  64) or top-1 % pseudo-gradients and error feedback (:mod:`puredist.compression`).
+  (lr 0.7, momentum 0.9) every ``H`` steps, bf16 pseudo-gradients.
+- ``streaming``: Streaming DiLoCo: the same in 2 fragments synchronizing ``H/2``
+  steps apart, each applied 2 steps after it starts (communication overlapped
+  with local steps), bf16.
+- ``diloco_int8``, ``diloco_int4``, ``diloco_topk``: ``diloco`` with int8 or 4-bit
+  block-quantized (blocks of 64) or top-1 % pseudo-gradients and error feedback
+  (:mod:`puredist.compression`).
 
-Bytes sent are measured, not estimated: the growth of this process's ``wchar``
-(``/proc/self/io``: every byte handed to ``write``/``send``, by every thread, Gloo's
-included) over the training steps only; evaluation and logging are left out. The
-model evaluated (held-out loss and accuracy) is the average of the workers' models,
+Bytes sent are measured, not estimated (:mod:`puredist.demo.wire`: what Gloo's
+threads handed to ``send``), step by step; evaluations are left out, and before each
+one a barrier lets the synchronizations in flight (streaming DiLoCo's) finish, so
+that their bytes count where they were sent. The model
+evaluated (held-out loss and accuracy) is the average of the workers' models,
 computed with the pure :func:`puredist.average` (training is undisturbed). The
 optimizer state each worker holds is counted in bytes (ZeRO: only its shard).
 """
@@ -27,7 +35,6 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -38,57 +45,21 @@ from torch.func import functional_call, grad_and_value
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import puredist
-from puredist.tree import tree_leaves
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
+from puredist.demo import charlm, digits
+from puredist.demo.task import Task, cross_entropy, held_out
+from puredist.demo.wire import bytes_written
+from puredist.tree import tree_leaves
 
-ALGORITHMS = ("ddp", "periodic", "hierarchical", "zero", "diloco", "diloco_int4", "diloco_topk")
-LEARNING_RATE = 0.05
-MOMENTUM = 0.9
-BATCH_SIZE = 32
-PERIOD = 8
-WARMUP_STEPS = 16
-
-
-def load_digits_shards(seed: int, rank: int, world_size: int):
-    """This rank's training shard and the common held-out set (20 %), as tensors."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    features = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.int64)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    held_out = len(labels) // 5
-    test, train = order[:held_out], order[held_out:]
-    mine = train[rank::world_size]
-    return (features[mine], labels[mine]), (features[test], labels[test])
-
-
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-
-
-def bytes_written() -> int:
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no wchar line")
-
-
-class ByteMeter:
-    """Bytes this process wrote while inside :meth:`counting`."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    @contextmanager
-    def counting(self):
-        start = bytes_written()
-        try:
-            yield
-        finally:
-            self.total += bytes_written() - start
+ALGORITHMS = (
+    "ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk",
+)
+TASKS = {task.name: task for task in (digits.TASK, charlm.TASK)}
+TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+"""The ``torch.optim`` class of each :attr:`Task.optimizer` (DDP and ZeRO use it)."""
+OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+STREAMING_FRAGMENTS = 2
+STREAMING_DELAY = 2
 
 
 def progress_bar(algorithm: str, steps: int, enabled: bool):
@@ -99,46 +70,38 @@ def progress_bar(algorithm: str, steps: int, enabled: bool):
                 mininterval=0.5 if sys.stdout.isatty() else 5.0, ncols=80, leave=True)
 
 
-def held_out(model: nn.Module, params: dict[str, torch.Tensor], test) -> tuple[float, float]:
-    """``(cross-entropy loss, accuracy)`` of ``params`` on the held-out set."""
-    features, labels = test
-    with torch.no_grad():
-        logits = functional_call(model, params, (features,))
-    loss = nn.functional.cross_entropy(logits, labels).item()
-    return loss, (logits.argmax(dim=1) == labels).float().mean().item()
-
-
 def tensor_bytes(tree) -> int:
     """Bytes of the tensors in a pytree (an optimizer's state)."""
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def _ddp_step(model: DDP, optimizer, features, labels) -> float:
+def _ddp_step(model: DDP, optimizer, inputs, targets) -> float:
     optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(features), labels)
+    loss = cross_entropy(model(inputs), targets)
     loss.backward()
     optimizer.step()
     return loss.item()
 
 
-def _setup_ddp(model: nn.Module, collective, world_size: int):
+def _setup_ddp(task: Task, model: nn.Module, collective, world_size: int):
     ddp = DDP(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    optimizer = TORCH_OPTIMIZERS[task.optimizer](ddp.parameters(), **task.optimizer_options)
     state = lambda: [list(s.values()) for s in optimizer.state.values()]  # noqa: E731
     return ddp, lambda x, y: _ddp_step(ddp, optimizer, x, y), lambda: dict(ddp.module.named_parameters()), state
 
 
-def _setup_zero(model: nn.Module, collective, world_size: int):
+def _setup_zero(task: Task, model: nn.Module, collective, world_size: int):
     ddp = DDP(model)
     zero = ZeroRedundancyOptimizer(
-        ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=LEARNING_RATE, momentum=MOMENTUM
+        ddp.parameters(), TORCH_OPTIMIZERS[task.optimizer], overlap_with_ddp=True,
+        **task.optimizer_options,
     )
-    # this model fits one DDP bucket: shard it, or one rank would own everything
+    # these models fit one DDP bucket: shard it, or one rank would own everything
     ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero, shard_buckets=True))
 
-    def step(features, labels) -> float:
+    def step(inputs, targets) -> float:
         zero.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(features), labels)
+        loss = cross_entropy(ddp(inputs), targets)
         loss.backward()  # the ZeRO step runs inside
         return loss.item()
 
@@ -146,25 +109,25 @@ def _setup_zero(model: nn.Module, collective, world_size: int):
     return ddp, step, lambda: dict(ddp.module.named_parameters()), state
 
 
-def hierarchy_for(world_size: int) -> dict[int, int]:
-    """Pairs average every 2 steps and everybody every 8 (a single level when the
-    world cannot be cut into pairs)."""
+def hierarchy_for(world_size: int, period: int) -> dict[int, int]:
+    """Pairs average every ``period // 4`` steps and everybody every ``period`` (a
+    single level when the world cannot be cut into pairs)."""
     if world_size > 2 and world_size % 2 == 0:
-        return {2: 2, PERIOD: world_size}
-    return {PERIOD: world_size}
+        return {max(1, period // 4): 2, period: world_size}
+    return {period: world_size}
 
 
 def _setup_functional(averager: puredist.Averager | puredist.OuterTransform, collective):
-    def setup(model: nn.Module, _, world_size: int):
+    def setup(task: Task, model: nn.Module, _, world_size: int):
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        optimizer = puredist.sgd(lr=LEARNING_RATE, momentum=MOMENTUM)
+        optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
         state = {"optimizer": optimizer.init(params), "averager": averager.init(params)}
 
-        def loss_fn(p, features, labels):
-            return nn.functional.cross_entropy(functional_call(model, p, (features,)), labels)
+        def loss_fn(p, inputs, targets):
+            return cross_entropy(functional_call(model, p, (inputs,)), targets)
 
-        def step(features, labels) -> float:
-            grads, loss = grad_and_value(loss_fn)(params, features, labels)
+        def step(inputs, targets) -> float:
+            grads, loss = grad_and_value(loss_fn)(params, inputs, targets)
             state["optimizer"] = optimizer.update_(params, grads, state["optimizer"])
             state["averager"] = averager.update_(params, state["averager"], collective=collective)
             return loss.item()
@@ -174,56 +137,68 @@ def _setup_functional(averager: puredist.Averager | puredist.OuterTransform, col
     return setup
 
 
-def train(algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Train one run on this rank; return its curves and totals."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    (features, labels), test = load_digits_shards(config["seed"], rank, world_size)
-    collective = puredist.DistributedCollective()
-
-    def diloco(**payload):
-        return _setup_functional(
-            puredist.outer_optimizer(
-                puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=PERIOD, warmup_steps=WARMUP_STEPS, **payload
-            ),
-            collective,
+def _setups(task: Task, world_size: int, collective) -> dict[str, Callable]:
+    def diloco(**options):
+        outer = puredist.outer_optimizer(
+            puredist.sgd(**OUTER_OPTIONS), sync_every=task.period, warmup_steps=task.warmup_steps, **options
         )
+        return _setup_functional(outer, collective)
 
-    setups: dict[str, Callable] = {
+    hierarchy = hierarchy_for(world_size, task.period)
+    return {
         "ddp": _setup_ddp,
         "zero": _setup_zero,
-        "periodic": _setup_functional(puredist.periodic_averager(PERIOD, WARMUP_STEPS), collective),
+        "periodic": _setup_functional(puredist.periodic_averager(task.period, task.warmup_steps), collective),
+        "hierarchical": _setup_functional(
+            puredist.hierarchical_averager(hierarchy, task.warmup_steps),
+            puredist.DistributedCollective.with_subgroups(list(hierarchy.values())),
+        ),
         "diloco": diloco(comm_dtype=torch.bfloat16),
+        "streaming": diloco(comm_dtype=torch.bfloat16, fragments=STREAMING_FRAGMENTS, delay=STREAMING_DELAY),
+        "diloco_int8": diloco(compressor=puredist.int8_blocks(64)),
         "diloco_int4": diloco(compressor=puredist.int4_blocks(64)),
         "diloco_topk": diloco(compressor=puredist.top_k(0.01)),
-        "hierarchical": _setup_functional(
-            puredist.hierarchical_averager(hierarchy_for(world_size), WARMUP_STEPS),
-            puredist.DistributedCollective.with_subgroups(list(hierarchy_for(world_size).values())),
-        ),
     }
-    model, step, current_params, optimizer_state = setups[algorithm](make_model(config["seed"]), collective, world_size)
+
+
+def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Train one run on this rank; return its curves, per-step measurements and totals."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard, test = task.load(config["seed"], rank, world_size)
+    collective = puredist.DistributedCollective()
+    setup = _setups(task, world_size, collective)[algorithm]
+    model, step, current_params, optimizer_state = setup(task, task.make_model(config["seed"]), collective, world_size)
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
-    meter = ByteMeter()
     steps, eval_every = config["steps"], max(1, config["steps"] // 15)
-    losses, evaluations = [], []
+    losses, evaluations, step_seconds, step_bytes = [], [], [], []
     dist.barrier()
     started = time.perf_counter()
+    mark = bytes_written()  # bytes are counted from step to step; only evaluations are left out
     with progress_bar(algorithm, steps, enabled=rank == 0) as bar:
         for k in range(1, steps + 1):
-            batch = torch.randint(len(labels), (BATCH_SIZE,), generator=batches)
-            with meter.counting():
-                losses.append(step(features[batch], labels[batch]))
-            if k % eval_every == 0 or k == steps:
+            inputs, targets = task.sample(shard, batches)
+            step_started = time.perf_counter()
+            losses.append(step(inputs, targets))
+            step_seconds.append(time.perf_counter() - step_started)
+            evaluating = k % eval_every == 0 or k == steps
+            if evaluating:
+                dist.barrier()  # Gloo's barrier waits for this rank's synchronizations in flight: their bytes count
+            now = bytes_written()
+            step_bytes.append(now - mark)
+            mark = now
+            if evaluating:
                 # evaluate the averaged model; puredist.average is pure: training is undisturbed
                 averaged = puredist.average(
                     {n: t.detach() for n, t in current_params().items()}, collective=collective
                 )
-                loss, acc = held_out(model.module if isinstance(model, DDP) else model, averaged, test)
-                evaluations.append((k, acc, loss, meter.total))
+                loss, accuracy = held_out(model.module if isinstance(model, DDP) else model, averaged, test)
+                evaluations.append((k, accuracy, loss, sum(step_bytes)))
                 bar.set_postfix_str(f"held-out loss {loss:.3f}", refresh=False)
+                mark = bytes_written()
             bar.update()
     wall = time.perf_counter() - started
-    return {"losses": losses, "evaluations": evaluations, "bytes_sent": meter.total, "wall_s": wall,
-            "state_bytes": tensor_bytes(optimizer_state())}
+    return {"losses": losses, "evaluations": evaluations, "bytes_sent": sum(step_bytes), "wall_s": wall,
+            "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(optimizer_state())}
 
 
 def worker_main(config: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +206,8 @@ def worker_main(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        results = {algorithm: train(algorithm, config) for algorithm in config["algorithms"]}
+        task = TASKS[config["task"]]
+        results = {algorithm: train(task, algorithm, config) for algorithm in config["algorithms"]}
         dist.barrier()  # only on success: an interrupted peer never comes to it
         return results
     finally:

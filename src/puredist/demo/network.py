@@ -1,0 +1,74 @@
+"""A network model: how long each algorithm would take to reach a target loss on a
+real link, projected from what the demo measured.
+
+Measured (on this machine's loopback, which is not a network worth modelling): the
+bytes each worker sent at each step, the held-out loss of the averaged model at each
+evaluation, and the compute time of a step — the median duration of the steps that
+sent nothing (the local steps of the local methods; every algorithm runs the same
+model, batch and inner optimizer, so they share it). Projected, for a link of
+bandwidth ``B`` bytes/s and per-message latency ``L``:
+
+    time(k) = k * compute + sum over the steps j <= k that sent bytes of
+              (bytes_j / B + 2 (W - 1) L)
+
+(``2 (W - 1)`` message latencies: a ring all-reduce's; the slowest worker's bytes at
+each step). Two questions are answered with it, per link: the time to reach a target
+loss (``k`` = the first evaluated step whose held-out loss is at most the target), and
+the lowest held-out loss each algorithm reaches within one time budget (the shortest
+projected time of a whole run, so that every algorithm's measurements cover it: no
+extrapolation past the steps that ran). Communication is not overlapped with compute in the model (DDP does overlap
+it with the backward, streaming DiLoCo with local steps), so the projection is an
+upper bound for those.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import NamedTuple, Sequence
+
+
+class Link(NamedTuple):
+    name: str
+    bytes_per_second: float
+    latency_s: float
+
+
+LINKS = (
+    Link("100 Gbit/s", 100e9 / 8, 10e-6),
+    Link("10 Gbit/s", 10e9 / 8, 50e-6),
+    Link("1 Gbit/s", 1e9 / 8, 200e-6),
+    Link("100 Mbit/s", 100e6 / 8, 20e-3),
+)
+"""From a datacenter fabric to a wide-area link between sites."""
+
+
+def compute_seconds(step_seconds: Sequence[Sequence[float]], step_bytes: Sequence[Sequence[int]]) -> float | None:
+    """The median duration of the steps that sent no byte, over all runs given
+    (``step_seconds[r][k]`` and ``step_bytes[r][k]`` of run ``r``'s step ``k``); None
+    when every step sent something."""
+    quiet = [seconds for run_s, run_b in zip(step_seconds, step_bytes) for seconds, sent in zip(run_s, run_b) if sent == 0]
+    return statistics.median(quiet) if quiet else None
+
+
+def steps_to_reach(evaluations: Sequence[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step whose loss is at most ``target``: ``evaluations`` is
+    ``(step, loss)`` in step order; None if none reaches it."""
+    return next((step for step, loss in evaluations if loss <= target), None)
+
+
+def projected_seconds(step_bytes: Sequence[int], steps: int, compute_s: float, link: Link, world_size: int) -> float:
+    """The model's time for the first ``steps`` steps (``step_bytes[j]``: the slowest
+    worker's bytes at step ``j + 1``) on ``link`` with ``world_size`` workers."""
+    sent = [b for b in step_bytes[:steps] if b > 0]
+    return steps * compute_s + sum(sent) / link.bytes_per_second + len(sent) * 2 * (world_size - 1) * link.latency_s
+
+
+def best_loss_within(
+    evaluations: Sequence[tuple[int, float]], step_bytes: Sequence[int], compute_s: float, link: Link, world_size: int,
+    budget_s: float,
+) -> float | None:
+    """The lowest loss of the evaluated steps ``(step, loss)`` whose projected time is
+    at most ``budget_s``; None if the first evaluation comes later."""
+    within = [loss for step, loss in evaluations
+              if projected_seconds(step_bytes, step, compute_s, link, world_size) <= budget_s]
+    return min(within, default=None)

@@ -1,0 +1,41 @@
+"""Bytes on the wire, measured at the system calls.
+
+``/proc/self/io``'s ``wchar`` counts every byte this process handed to ``write`` or
+``send``, by every thread, living or exited. Gloo sends from its own threads (its
+worker threads and its transport's); the main thread of a demo worker writes only
+the progress bar and files. So the bytes sent are the process's ``wchar`` minus the
+main thread's (``/proc/self/task/<tid>/io``).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+
+def _wchar(path: str) -> int:
+    with open(path) as io:
+        for line in io:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{path} has no wchar line")
+
+
+def bytes_written() -> int:
+    """Bytes written so far by this process's threads other than the main one."""
+    return _wchar("/proc/self/io") - _wchar(f"/proc/self/task/{os.getpid()}/io")  # Linux: the main thread's id is the pid
+
+
+class ByteMeter:
+    """Bytes written by the communication threads while inside :meth:`counting`."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    @contextmanager
+    def counting(self):
+        start = bytes_written()
+        try:
+            yield
+        finally:
+            self.total += bytes_written() - start

@@ -1,0 +1,98 @@
+"""The demo's tasks and its network model, piece by piece: the language task's data
+split and causal model, the projection's arithmetic, and a short LM run end to end."""
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+
+from puredist.demo import charlm, network
+from test_demo import DEMO, ENV
+
+
+def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail():
+    text, vocabulary = charlm.corpus()
+    assert len(text) > 300_000 and vocabulary == "".join(sorted(set(text)))
+    world_size = 4
+    shards = [charlm.load(0, rank, world_size)[0] for rank in range(world_size)]
+    codes = charlm.encode(text, vocabulary)
+    split = int(len(codes) * (1 - charlm.HELD_OUT_FRACTION))
+    # the shards tile the training part in rank order; nothing of the held-out tail is in them
+    assert torch.equal(torch.cat(shards), codes[: sum(len(s) for s in shards)])
+    assert sum(len(s) for s in shards) <= split
+    inputs, targets = charlm.load(0, 0, world_size)[1]
+    assert inputs.shape == targets.shape == (charlm.EVAL_WINDOWS, charlm.CONTEXT)
+    tail = "".join(vocabulary[c] for c in codes[split:].tolist())
+    for window_in, window_out in zip(inputs, targets):
+        decoded = "".join(vocabulary[c] for c in window_in.tolist())
+        assert decoded in tail  # held-out text only
+        assert torch.equal(window_in[1:], window_out[:-1])  # targets: the next characters
+
+
+def test_minibatches_are_next_character_pairs_from_the_shard():
+    shard = charlm.load(0, 1, 4)[0]
+    inputs, targets = charlm.sample(shard, torch.Generator().manual_seed(3))
+    assert inputs.shape == (charlm.BATCH_SIZE, charlm.CONTEXT)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    every_window = shard.unfold(0, charlm.CONTEXT + 1, 1)
+    for x, y in zip(inputs, targets):
+        drawn = torch.cat([x, y[-1:]])
+        assert (every_window == drawn).all(dim=1).any()  # a window of this rank's own shard
+
+
+def test_the_model_is_causal_and_starts_near_a_uniform_guess():
+    model = charlm.make_model(0)
+    vocabulary = len(charlm.corpus()[1])
+    codes = torch.randint(vocabulary, (2, charlm.CONTEXT), generator=torch.Generator().manual_seed(0))
+    changed = codes.clone()
+    changed[:, 40] = (changed[:, 40] + 1) % vocabulary
+    with torch.no_grad():
+        before, after = model(codes), model(changed)
+    assert before.shape == (2, charlm.CONTEXT, vocabulary)
+    assert torch.equal(before[:, :40], after[:, :40])  # no position sees a later one
+    assert not torch.allclose(before[:, 40:], after[:, 40:])
+    loss = torch.nn.functional.cross_entropy(before.flatten(0, 1), codes.flatten())
+    assert abs(loss.item() - math.log(vocabulary)) < 0.5
+    assert 300_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
+def test_compute_time_is_the_median_of_the_steps_that_sent_nothing():
+    seconds = [[0.5, 0.1, 0.2, 9.0], [0.3]]
+    sent = [[10, 0, 0, 0], [0]]
+    assert network.compute_seconds(seconds, sent) == 0.25  # median of 0.1, 0.2, 9.0, 0.3
+    assert network.compute_seconds([[1.0]], [[5]]) is None
+
+
+def test_the_projection_adds_compute_bytes_over_bandwidth_and_latencies():
+    link = network.Link("test", bytes_per_second=100.0, latency_s=0.01)
+    # 3 steps of 0.5 s; step 2 sent 100 bytes (1 s at 100 B/s) and 2 (W - 1) = 4 latencies at W = 3;
+    # step 4's bytes come after the 3 steps asked for
+    assert network.projected_seconds([0, 100, 0, 50], 3, 0.5, link, 3) == pytest.approx(1.5 + 1.0 + 0.04)
+    assert network.steps_to_reach([(10, 3.0), (20, 2.0), (30, 2.5)], 2.5) == 20
+    assert network.steps_to_reach([(10, 3.0)], 2.5) is None
+
+
+def test_a_short_language_model_run_learns_and_reports(tmp_path):
+    done = subprocess.run(
+        [*DEMO, "--task", "lm", "--world-size", "2", "--steps", "12", "--algorithms", "ddp,diloco_int4",
+         "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "character-level GPT" in done.stdout
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert summary["task"] == "lm" and list(summary["algorithms"]) == ["ddp", "diloco_int4"]
+    uniform = math.log(len(charlm.corpus()[1]))
+    for row in summary["algorithms"].values():
+        first_loss = row["evaluations"][0][2]
+        assert row["eval_loss"] < first_loss and row["eval_loss"] < uniform - 0.5  # 12 AdamW steps learn something
+
+
+def test_the_loss_within_a_budget_is_the_best_evaluation_projected_in_time():
+    link = network.Link("test", bytes_per_second=10.0, latency_s=0.0)
+    step_bytes = [0, 0, 10, 0, 0, 0]  # 1 s of sending at step 3
+    evaluations = [(2, 3.0), (4, 2.0), (6, 1.0)]  # projected at 1 s, 3 s, 4 s (0.5 s a step)
+    assert network.best_loss_within(evaluations, step_bytes, 0.5, link, 2, budget_s=3.5) == 2.0
+    assert network.best_loss_within(evaluations, step_bytes, 0.5, link, 2, budget_s=0.9) is None
