@@ -46,8 +46,6 @@ def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
         assert row["eval_loss"] < 2.0 and row["eval_loss"] == row["evaluations"][-1][2]
         assert len(row["train_losses"]) == 40 and len(row["step_bytes"]) == 40
         assert row["state_bytes_max"] > 0
-        # the per-step bytes add up to the total (the slowest worker's at each step)
-        assert sum(row["step_bytes"]) >= row["bytes_per_worker_max"] * 0.99
 
 
 def test_the_measured_bytes_follow_the_algorithms(tiny_run):
@@ -79,8 +77,10 @@ def test_the_projection_follows_the_network_model(tiny_run):
     assert model["projected_not_measured"] and model["target_from"] == "ddp"
     compute = model["compute_s_per_step"]
     assert 0 < compute < 1.0
-    # DDP reaches its own final loss at the last step, by definition
-    assert runs["ddp"]["steps_to_target"] == 40
+    assert runs["ddp"]["steps_to_target"] is not None  # DDP reaches its own final loss, at the latest at the end
+    # the local methods' warm-up (16 steps) and their steps between synchronizations sent nothing: compute is
+    # the median of those steps' durations, so several runs have steps that sent nothing at all
+    assert sum(row["step_bytes"].count(0) for row in runs.values()) > 40
     for name, row in runs.items():
         reached = next((step for step, _, loss, _ in row["evaluations"] if loss <= model["target_eval_loss"]), None)
         assert row["steps_to_target"] == reached, name
@@ -89,8 +89,7 @@ def test_the_projection_follows_the_network_model(tiny_run):
             if reached is None:
                 assert projected is None
                 continue
-            sent = [b for b in row["step_bytes"][:reached] if b]
-            expected = reached * compute + sum(sent) / link["bytes_per_second"] + len(sent) * 2 * link["latency_s"]
+            expected = _projected(row["step_bytes"], reached, compute, link, summary["world_size"])
             assert projected == pytest.approx(expected, rel=1e-9), (name, link)
 
 
@@ -99,19 +98,21 @@ def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_ru
     summary = json.loads((out / "results.json").read_text())
     model, runs = summary["network_model"], summary["algorithms"]
     for link in model["links"]:
-        whole_runs = {name: _projected(row["step_bytes"], 40, model["compute_s_per_step"], link) for name, row in runs.items()}
+        whole_runs = {name: _projected(row["step_bytes"], 40, model["compute_s_per_step"], link, summary["world_size"])
+                      for name, row in runs.items()}
         budget = model["budget_s"][link["name"]]
         assert budget == pytest.approx(min(whole_runs.values()), rel=1e-9)
         for name, row in runs.items():
             in_time = [loss for step, _, loss, _ in row["evaluations"]
-                       if _projected(row["step_bytes"], step, model["compute_s_per_step"], link) <= budget * (1 + 1e-9)]
+                       if _projected(row["step_bytes"], step, model["compute_s_per_step"], link, summary["world_size"])
+                       <= budget * (1 + 1e-9)]
             assert row["projected_loss_within_budget"][link["name"]] == min(in_time, default=None), (name, link)
     # on the slowest link, local methods send a fraction of DDP's bytes and so get further than DDP in the same time
     slowest = model["links"][-1]["name"]
     assert runs["diloco"]["projected_loss_within_budget"][slowest] < runs["ddp"]["projected_loss_within_budget"][slowest]
 
 
-def _projected(step_bytes, steps, compute, link, world_size=2):
+def _projected(step_bytes, steps, compute, link, world_size):
     """The network model, written out again: compute, bytes over bandwidth, 2 (W - 1) latencies per sending step."""
     sent = [b for b in step_bytes[:steps] if b]
     return steps * compute + sum(sent) / link["bytes_per_second"] + len(sent) * 2 * (world_size - 1) * link["latency_s"]

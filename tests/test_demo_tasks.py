@@ -88,6 +88,12 @@ def test_a_short_language_model_run_learns_and_reports(tmp_path):
     for row in summary["algorithms"].values():
         first_loss = row["evaluations"][0][2]
         assert row["eval_loss"] < first_loss and row["eval_loss"] < uniform - 0.5  # 12 AdamW steps learn something
+    # 12 steps are all inside the 32-step warm-up: DiLoCo sent nothing, though every step was evaluated (the
+    # barrier before each evaluation is not counted), so the compute time per step is known
+    first, *rest = summary["algorithms"]["diloco_int4"]["step_bytes"]
+    assert 0 < first < 4096 and rest == [0] * 11  # step 0 checks that the initial models are the same: a digest each
+    assert min(summary["algorithms"]["ddp"]["step_bytes"]) > 4 * 400_000  # every step all-reduces 0.43M fp32 gradients
+    assert summary["network_model"]["compute_s_per_step"] > 0
 
 
 def test_the_loss_within_a_budget_is_the_best_evaluation_projected_in_time():

@@ -11,8 +11,10 @@ bandwidth ``B`` bytes/s and per-message latency ``L``:
     time(k) = k * compute + sum over the steps j <= k that sent bytes of
               (bytes_j / B + 2 (W - 1) L)
 
-(``2 (W - 1)`` message latencies: a ring all-reduce's; the slowest worker's bytes at
-each step). Two questions are answered with it, per link: the time to reach a target
+(``2 (W - 1)`` message latencies: a ring all-reduce's, once per step that sent bytes,
+however many collectives it ran — a compressed synchronization runs five, a rank
+check included, so its latency is undercounted; the slowest worker's bytes at each
+step). Two questions are answered with it, per link: the time to reach a target
 loss (``k`` = the first evaluated step whose held-out loss is at most the target), and
 the lowest held-out loss each algorithm reaches within one time budget (the shortest
 projected time of a whole run, so that every algorithm's measurements cover it: no

@@ -28,7 +28,8 @@ class Task(NamedTuple):
         title: what is trained, for the plot's title and the banner.
         default_steps: training steps per algorithm unless ``--steps`` says otherwise.
         period: how many steps local methods run between averagings (DiLoCo's ``H``).
-        warmup_steps: steps of every-step averaging before the local methods start.
+        warmup_steps: steps of purely local training before the local methods' first
+            synchronization (DDP and ZeRO synchronize from the first step).
         make_model: ``seed -> nn.Module``; the same seed gives the same model on every rank.
         load: ``(seed, rank, world_size) -> (train, test)``: this rank's training shard
             (opaque to the loop) and the common held-out :data:`Batch`.

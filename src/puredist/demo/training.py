@@ -23,9 +23,10 @@ algorithm (``H`` is the task's period: 8 for digits, 16 for the language model):
   (:mod:`puredist.compression`).
 
 Bytes sent are measured, not estimated (:mod:`puredist.demo.wire`: what Gloo's
-threads handed to ``send``), step by step; evaluations are left out, and before each
-one a barrier lets the synchronizations in flight (streaming DiLoCo's) finish, so
-that their bytes count where they were sent. The model
+threads wrote to their sockets), step by step; evaluations are left out, and before
+each one a barrier lets the synchronizations in flight (streaming DiLoCo's) finish, so
+that their bytes count where they were sent (the barrier's own bytes, measured once
+before training, are not counted). The model
 evaluated (held-out loss and accuracy) is the average of the workers' models,
 computed with the pure :func:`puredist.average` (training is undisturbed). The
 optimizer state each worker holds is counted in bytes (ZeRO: only its shard).
@@ -66,6 +67,7 @@ def progress_bar(algorithm: str, steps: int, enabled: bool):
     """tqdm's bar on stdout (on a terminal redrawn in place, elsewhere a few lines)."""
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the bytes counted are those of threads other than the main one
     return tqdm(total=steps, desc=f"  {algorithm:13s}", file=sys.stdout, disable=not enabled,
                 mininterval=0.5 if sys.stdout.isatty() else 5.0, ncols=80, leave=True)
 
@@ -171,7 +173,9 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
     steps, eval_every = config["steps"], max(1, config["steps"] // 15)
     losses, evaluations, step_seconds, step_bytes = [], [], [], []
+    mark = bytes_written()
     dist.barrier()
+    barrier_bytes = bytes_written() - mark  # what a barrier itself writes: not the algorithm's
     started = time.perf_counter()
     mark = bytes_written()  # bytes are counted from step to step; only evaluations are left out
     with progress_bar(algorithm, steps, enabled=rank == 0) as bar:
@@ -184,7 +188,7 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
             if evaluating:
                 dist.barrier()  # Gloo's barrier waits for this rank's synchronizations in flight: their bytes count
             now = bytes_written()
-            step_bytes.append(now - mark)
+            step_bytes.append(max(0, now - mark - (barrier_bytes if evaluating else 0)))
             mark = now
             if evaluating:
                 # evaluate the averaged model; puredist.average is pure: training is undisturbed

@@ -1,9 +1,10 @@
 """Bytes on the wire, measured at the system calls.
 
-``/proc/self/io``'s ``wchar`` counts every byte this process handed to ``write`` or
-``send``, by every thread, living or exited. Gloo sends from its own threads (its
-worker threads and its transport's); the main thread of a demo worker writes only
-the progress bar and files. So the bytes sent are the process's ``wchar`` minus the
+``/proc/self/io``'s ``wchar`` counts every byte this process handed to the ``write``
+family of system calls (``write``, ``writev``, ...; not ``send``/``sendmsg``), by every
+thread, living or exited. Gloo's TCP transport writes its messages with ``writev``,
+from Gloo's own threads (its worker threads and its transport's); the main thread of
+a demo worker writes only the progress bar and files (and tqdm runs no monitor thread). So the bytes sent are the process's ``wchar`` minus the
 main thread's (``/proc/self/task/<tid>/io``).
 """
 
@@ -22,7 +23,8 @@ def _wchar(path: str) -> int:
 
 
 def bytes_written() -> int:
-    """Bytes written so far by this process's threads other than the main one."""
+    """Bytes written so far by this process's threads other than the main one (a
+    transport that used ``send`` instead of ``writev`` would not be counted)."""
     return _wchar("/proc/self/io") - _wchar(f"/proc/self/task/{os.getpid()}/io")  # Linux: the main thread's id is the pid
 
 
