@@ -33,6 +33,15 @@ def test_launched_examples_run(script, expected):
     assert expected in done.stdout
 
 
+def test_diloco_over_fsdp2_runs_and_checkpoints(tmp_path):
+    done = torchrun("diloco_fsdp2.py", "--steps", "12", "--sync-every", "4", "--shards", "2",
+                    "--checkpoint", str(tmp_path / "checkpoint"), ranks=4)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "done on 4 ranks" in done.stdout and "1/2 of the model" in done.stdout
+    assert (tmp_path / "checkpoint" / ".metadata").is_file()
+    assert "returned a view tensor" not in done.stderr
+
+
 def test_the_property_example_runs_as_a_script():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "property_test.py")],
                           capture_output=True, text=True, timeout=180, env=ENV)

@@ -183,10 +183,39 @@ def test_bad_options_are_refused(options, match):
         puredist.outer_optimizer(puredist.sgd(lr=1.0), **options)
 
 
-@pytest.mark.parametrize("comm_dtype", [torch.int32, "bf16"])
-def test_a_bad_comm_dtype_is_refused_when_the_transform_is_built(comm_dtype):
-    with pytest.raises(TypeError, match="comm_dtype"):
-        puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2, comm_dtype=comm_dtype)
+@pytest.mark.parametrize("arg", ["comm_dtype", "global_dtype"])
+@pytest.mark.parametrize("dtype", [torch.int32, "bf16"])
+def test_a_bad_dtype_is_refused_when_the_transform_is_built(arg, dtype):
+    with pytest.raises(TypeError, match=f"``{arg}``.*{dtype}"):
+        puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2, **{arg: dtype})
+
+
+def _bf16_diloco(global_dtype, param_dtype=torch.bfloat16, replicas=2, size=4096, steps=400):
+    """Final global copy (as fp64) of DiLoCo on parameters of ``param_dtype`` drifting by a
+    slow common trend plus noise, per replica."""
+    transform = puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, global_dtype=global_dtype
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(size, generator=gen).repeat(replicas, 1).to(param_dtype)]
+    state = transform.init(params)
+    for _ in range(steps):
+        params[0].add_((torch.randn(replicas, size, generator=gen) * 1e-2 + 5e-3).to(param_dtype))
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(replicas))
+    assert params[0].dtype == param_dtype  # the parameters keep their dtype
+    return state
+
+
+def test_an_fp32_master_copy_for_bf16_parameters_accumulates_less_error():
+    exact = _bf16_diloco(None, param_dtype=torch.float64).global_params[0][0]
+    bf16 = _bf16_diloco(None)  # torchft's choice: the global copy in the parameters' dtype
+    master = _bf16_diloco(torch.float32)  # INTELLECT-1's: an fp32 master copy
+    assert bf16.global_params[0].dtype == torch.bfloat16
+    assert master.global_params[0].dtype == master.outer_state[0].momentum_buffer.dtype == torch.float32
+    error = {name: (s.global_params[0][0].double() - exact).abs().mean().item() for name, s in
+             (("bf16", bf16), ("fp32 master", master))}
+    # both lose the local steps bf16 parameters cannot hold; the master copy also keeps every outer step
+    assert error["fp32 master"] < 0.7 * error["bf16"], error
 
 
 def test_buffers_are_averaged_only_when_asked_and_integers_never_as_floats():

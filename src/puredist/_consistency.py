@@ -6,7 +6,7 @@ all-reduce, which hangs or averages unrelated values. Ranks running different
 schedules (another period, warm-up, an extra ``update_`` call) would pair one step's
 collectives with another's. Before reducing, every rank contributes a 4-number
 summary — count, total elements, a digest of the devices, dtypes, shapes and
-contiguity, and a digest of the caller's *context* (its schedule's configuration and
+contiguity (and a DTensor's sharding), and a digest of the caller's *context* (its schedule's configuration and
 step) — to one small ``all_gather``; every rank sees every summary, so either all
 ranks proceed or all raise the same error, which shows each rank's context.
 """
@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from puredist._dtensors import sharding_signature
+
 
 class RankMismatchError(RuntimeError):
     """Ranks of one process group passed different tensor lists to one collective."""
@@ -30,7 +32,9 @@ def _digest(text: str) -> int:
 
 def _signature(tensors: Sequence[torch.Tensor], context: str) -> torch.Tensor:
     # everything the bucket plan depends on: a difference would desynchronize the collectives
-    layout = ";".join(f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}" for t in tensors)
+    layout = ";".join(
+        f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}{sharding_signature(t)}" for t in tensors
+    )
     return torch.tensor(
         [len(tensors), sum(t.numel() for t in tensors), _digest(layout), _digest(context)], dtype=torch.int64
     )

@@ -12,7 +12,9 @@ late in a list can never leave the earlier ones averaged and the later ones not:
   each would be reduced from values the other has already replaced.
 
 Complex tensors are averaged as their real view (real and imaginary parts are
-averaged independently, which is the complex mean).
+averaged independently, which is the complex mean). A DTensor is averaged as its
+local shard (see :mod:`puredist._dtensors`); one with a ``Partial`` placement is
+refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from puredist._dtensors import check_not_pending, local_shard
 
 _FLOAT8 = tuple(
     getattr(torch, name)
@@ -55,7 +59,8 @@ def checked_for_reduction(
     tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor", in_place: bool = True
 ) -> list[torch.Tensor]:
     """Check that every tensor can be reduced, and return them as the real-valued
-    tensors to reduce (a complex tensor becomes its ``view_as_real``; writes go to it).
+    tensors to reduce (a complex tensor becomes its ``view_as_real``, a DTensor its
+    local shard; writes go to them).
 
     Args:
         tensors: the tensors, in the order given.
@@ -68,8 +73,9 @@ def checked_for_reduction(
 
     Raises:
         TypeError: an element is not a tensor, or has an integer, bool or float8 dtype.
-        ValueError: a sparse or meta tensor, overlapping elements, or memory shared
-            between two tensors — naming the tensor(s) and the reason.
+        ValueError: a sparse or meta tensor, overlapping elements, memory shared
+            between two tensors, or a DTensor with a ``Partial`` placement — naming
+            the tensor(s) and the reason.
     """
     checked: list[torch.Tensor] = []
     for position, tensor in enumerate(tensors):
@@ -78,6 +84,9 @@ def checked_for_reduction(
                 f"Arg ``{arg}`` must be a pytree of tensors; {noun} {position} is {type(tensor).__name__}: {tensor!r}."
             )
         label = _label(noun, position, tensor)
+        check_not_pending(tensor, arg, label)
+        if in_place:
+            tensor = local_shard(tensor)  # a DTensor's own shard, written in place
         if tensor.layout != torch.strided:
             raise ValueError(f"Arg ``{arg}``: {label} has layout {tensor.layout}; only dense tensors can be averaged.")
         if tensor.is_meta:

@@ -34,15 +34,20 @@ divided after the sum (over NCCL, its native ``AVG``).
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Protocol, Sequence
+import math
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
+from puredist._dtensors import local_shard
 from puredist._inputs import checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES",
@@ -216,6 +221,30 @@ class DistributedCollective:
         subgroups = {size: subgroup(whole, size) for size in dict.fromkeys(group_sizes) if size != world_size}
         return cls(process_group, subgroups=subgroups, **kwargs)
 
+    @classmethod
+    def from_mesh(cls, mesh: "DeviceMesh", dims: str | Sequence[str], **kwargs) -> "DistributedCollective":
+        """Average across the ranks that differ only in the mesh dimension(s) ``dims``:
+        e.g. ``from_mesh(mesh, "replicate")`` on a ``("replicate", "shard")`` mesh
+        averages each FSDP2 shard with the same shard of the other replica groups.
+
+        With several dimensions, outermost first (``("dc", "replicate")``), the whole
+        group spans all of them and each inner suffix is a subgroup for hierarchical
+        averaging: group sizes ``|replicate|`` and ``|dc| * |replicate|``. Every rank of
+        the mesh must call this (subgroups spanning several dimensions are created
+        collectively). ``kwargs`` go to the constructor.
+
+        Raises:
+            ValueError: an unknown dimension name, or none.
+        """
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        known = mesh.mesh_dim_names or ()
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise ValueError(f"Arg ``dims`` {dims!r}: the mesh's dimensions are {known}; got unknown {unknown or dims!r}.")
+        groups = [_mesh_group(mesh, names[i:]) for i in range(len(names))]  # whole first, then inner suffixes
+        subgroups = {dist.get_world_size(g): g for g in groups[1:] if dist.get_world_size(g) != dist.get_world_size(groups[0])}
+        return cls(groups[0], subgroups=subgroups, **kwargs)
+
     @property
     def world_size(self) -> int:
         return self._world_size
@@ -270,12 +299,13 @@ class DistributedCollective:
             CollectiveError: an all-reduce failed (a peer died, a timeout); every
                 element holds its old value or its mean, as the error details.
         """
-        tensors = checked_for_reduction(tensors)
+        reduced = checked_for_reduction(tensors)
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
         size = dist.get_world_size(group)
-        self._check_same(tensors, group, context=context, what="one averaging all-reduce")
+        # the tensors as passed: a DTensor's sharding is part of the check
+        self._check_same(list(tensors), group, context=context, what="one averaging all-reduce")
         native_average = dist.get_backend(group) == "nccl"
 
         def scales(dtype: torch.dtype) -> tuple[int | None, int | None]:
@@ -289,7 +319,7 @@ class DistributedCollective:
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
         return run_staged(
-            tensors, self.bucket_cap_bytes, launch,
+            reduced, self.bucket_cap_bytes, launch,
             what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
         )
 
@@ -324,7 +354,7 @@ class DistributedCollective:
         except RankMismatchError:
             raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
-            raise nothing_changed(tensors, what, cause) from cause
+            raise nothing_changed([local_shard(t) for t in tensors], what, cause) from cause
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
@@ -337,7 +367,9 @@ class DistributedCollective:
             return
         group = self.process_group
         self._check_same(list(tensors), group, context=context, what=what)
-        digests = torch.tensor([_value_digest(t) for t in tensors], dtype=torch.int64, device=_summary_device(group))
+        digests = torch.tensor(
+            [_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=_summary_device(group)
+        )
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
         dist.all_gather(gathered, digests, group=group)
         rows = [g.tolist() for g in gathered]
@@ -390,6 +422,18 @@ class DistributedCollective:
 def _value_digest(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _mesh_group(mesh: "DeviceMesh", names: tuple[str, ...]) -> dist.ProcessGroup:
+    """This rank's process group spanning the mesh dimensions ``names`` (the mesh's
+    own for one dimension; for several, created collectively over every such group)."""
+    if len(names) == 1:
+        return mesh.get_group(names[0])
+    order = [mesh.mesh_dim_names.index(name) for name in names]
+    others = [d for d in range(mesh.ndim) if d not in order]
+    ranks = mesh.mesh.permute(*others, *order).reshape(-1, math.prod(mesh.mesh.shape[d] for d in order))
+    group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+    return group
 
 
 _SUBGROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}

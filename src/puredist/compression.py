@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from puredist._dtensors import check_not_pending, like, local_shard
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
@@ -210,6 +211,7 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> b
     for position, leaf in enumerate(leaves):
         if not leaf.is_floating_point():
             raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
+        check_not_pending(leaf, "params", f"leaf {position}")
     simulated = isinstance(collective, SimulatedCollective)
     if not simulated and not isinstance(collective, DistributedCollective):
         raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
@@ -234,9 +236,14 @@ def compressed_mean(
     """
     simulated = _check_compressible(leaves, collective)
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
-        return [leaf.detach().clone() for leaf in leaves], list(residuals)
+        return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]
     world = collective.world_size
     count = world if simulated else 1  # rows: one per (simulated) rank
+    given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
+    residuals = tuple(local_shard(r) for r in residuals)
+    if world == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
+        means = [like(g, (leaf.detach().float() + r).to(leaf.dtype)) for g, leaf, r in zip(given, leaves, residuals)]
+        return means, [torch.zeros_like(r) for r in residuals]
     # all leaves in one flat row, zero-padded into W equal chunks: blocks may span leaves
     rows = torch.cat(
         [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
@@ -244,7 +251,7 @@ def compressed_mean(
     )
     finite = bool(torch.isfinite(rows).all())
     if not simulated:  # every rank learns whether any rank has a non-finite value
-        collective.check_same_on_all_ranks(leaves, context=f"{context} finite={finite}", what="a compressed averaging")
+        collective.check_same_on_all_ranks(given, context=f"{context} finite={finite}", what="a compressed averaging")
     if not finite:
         raise ValueError(
             f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN: a block's scale, and then the "
@@ -253,9 +260,12 @@ def compressed_mean(
     sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
     chunk = -(-numel // world)
     chunks = torch.nn.functional.pad(rows, (0, chunk * world - numel)).view(count, world, chunk)
-    # phase 1: chunk c of every row, compressed, to its owner c (the owner's own chunk exact)
+    # phase 1: chunk c of every row, compressed, to its owner c (the owner's own chunk exact, never encoded)
     owners = range(world) if simulated else [collective.rank]  # the rank of each row
-    payloads = [[compressor.encode(chunks[row, c]) for c in range(world)] for row in range(count)]
+    payloads = [
+        [None if c == owner else compressor.encode(chunks[row, c]) for c in range(world)]
+        for row, owner in enumerate(owners)
+    ]
     kept = torch.stack([  # what the owners receive: each row's chunks as decoded, its own exact
         torch.stack([chunks[row, c] if c == owner else compressor.decode(payloads[row][c], chunk) for c in range(world)])
         for row, owner in enumerate(owners)
@@ -264,7 +274,8 @@ def compressed_mean(
         means = [_mean_in_rank_order([kept[q, c] for q in range(world)]) for c in owners]
     else:
         try:
-            received = _exchanged_chunks(_stacked(payloads[0]), collective)
+            stand_in = next(p for p in payloads[0] if p is not None)  # the slot to oneself: never sent, never read
+            received = _exchanged_chunks(_stacked([p if p is not None else stand_in for p in payloads[0]]), collective)
         except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
             raise nothing_changed(leaves, "A compressed averaging's all-to-all", error) from error
         mine = collective.rank
@@ -288,8 +299,8 @@ def compressed_mean(
     mean = torch.cat(decoded)[:numel]
     left = left.reshape(count, -1)[:, :numel]
     outputs = [
-        part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone()
-        for part, leaf, size in zip(mean.split(sizes), leaves, sizes)
+        like(original, part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone())
+        for part, leaf, original, size in zip(mean.split(sizes), leaves, given, sizes)
     ]
     new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
     return outputs, new_residuals
@@ -316,9 +327,9 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     """
 
     def init(params: PyTree) -> CompressionState:
-        """Zero residuals shaped like ``params``' leaves (fp32)."""
+        """Zero residuals shaped like ``params``' leaves (fp32; a DTensor's: like its local shard)."""
         leaves, _ = tree_flatten(params)
-        return CompressionState(0, tuple(torch.zeros_like(leaf, dtype=torch.float32) for leaf in leaves))
+        return CompressionState(0, tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves))
 
     def update(params: PyTree, state: CompressionState, *, collective: Collective):
         """Pure: ``(pytree of the means, state with the new residuals, step + 1)``."""

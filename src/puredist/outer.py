@@ -11,7 +11,11 @@ DiLoCo recipe is ``sgd(lr=0.7, momentum=0.9, nesterov=True)``.
 Options (static, checked by :func:`outer_optimizer`):
 
 - ``comm_dtype``: the pseudo-gradient is all-reduced in this dtype (e.g. bf16, half the
-  bytes of fp32); the outer step runs in the parameters' dtype.
+  bytes of fp32); the outer step runs in the global copy's dtype.
+- ``global_dtype``: the global copy and the outer state are kept in this dtype (e.g. an
+  fp32 master copy for bf16 parameters, as INTELLECT-1 does; torchft keeps the
+  parameters' dtype): the pseudo-gradient ``global - local`` is taken in it, and the
+  new global parameters are rounded to the parameters' dtype only when written back.
 - ``compressor``: instead, the pseudo-gradient is averaged with a
   :class:`~puredist.compression.Compressor`'s payloads (int8, 4-bit, top-k) and error
   feedback: each rank's residual (what its payloads have not sent yet) is part of the
@@ -55,6 +59,7 @@ import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
+from puredist._dtensors import local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
@@ -137,9 +142,10 @@ def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], 
     return tuple(fragments)
 
 
-def _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype) -> None:
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise TypeError(f"Arg ``comm_dtype`` must be a floating-point torch.dtype or None, got {comm_dtype!r}.")
+def _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype, global_dtype) -> None:
+    for name, dtype in (("comm_dtype", comm_dtype), ("global_dtype", global_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"Arg ``{name}`` must be a floating-point torch.dtype or None, got {dtype!r}.")
     check_period(sync_every, arg="sync_every")
     check_warmup_steps(warmup_steps)
     for name, value, low, high in (("delay", delay, 0, sync_every - 1), ("fragments", fragments, 1, sync_every)):
@@ -156,6 +162,7 @@ def outer_optimizer(
     fragments: int = 1,
     comm_dtype: torch.dtype | None = None,
     global_device: torch.device | str | None = None,
+    global_dtype: torch.dtype | None = None,
     lower_levels: Mapping[int, int] | None = None,
     compressor: Compressor | None = None,
 ) -> OuterTransform:
@@ -167,9 +174,12 @@ def outer_optimizer(
         warmup_steps: steps before fragment 0's first synchronization.
         delay: steps between starting and applying a synchronization, ``< sync_every``.
         fragments: how many staggered fragments, ``<= sync_every``.
-        comm_dtype: dtype of the all-reduced pseudo-gradient (``None``: the parameter's).
+        comm_dtype: dtype of the all-reduced pseudo-gradient (``None``: the global
+            copy's).
         global_device: device of the global copy and outer state (``None``: the
             parameter's).
+        global_dtype: dtype of the global copy and outer state (``None``: the
+            parameter's); e.g. an fp32 master copy for bf16 parameters.
         lower_levels: ``{period: group_size}`` plain averaging below the outer step.
         compressor: average the pseudo-gradients with this compressor and error
             feedback (exclusive with ``comm_dtype``).
@@ -179,7 +189,7 @@ def outer_optimizer(
             fragments than parameter leaves; at update, a lower-level group size the
             collective cannot average within.
     """
-    _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype)
+    _check_options(sync_every, warmup_steps, delay, fragments, comm_dtype, global_dtype)
     if compressor is not None and not isinstance(compressor, Compressor):
         raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
     if compressor is not None and comm_dtype is not None:
@@ -195,7 +205,7 @@ def outer_optimizer(
     offsets = [f * sync_every // fragments for f in range(fragments)]
     config = (
         f"outer_optimizer(sync_every={sync_every}, warmup_steps={warmup_steps}, delay={delay}, "
-        f"fragments={fragments}, comm_dtype={comm_dtype}, lower_levels={lower}"
+        f"fragments={fragments}, comm_dtype={comm_dtype}, global_dtype={global_dtype}, lower_levels={lower}"
         + (f", compressor={compressor.name})" if compressor is not None else ")")
     )
 
@@ -215,10 +225,15 @@ def outer_optimizer(
         leaves, _ = _float_leaves(params, in_place=True)
         layout(leaves)
         global_params = tuple(
-            leaf.detach().to(device=global_device if global_device is not None else leaf.device, copy=True)
+            leaf.detach().to(
+                device=global_device if global_device is not None else leaf.device, dtype=global_dtype or leaf.dtype,
+                copy=True,
+            )
             for leaf in leaves
         )
-        residuals = tuple(torch.zeros_like(leaf, dtype=torch.float32) for leaf in leaves) if compressor else ()
+        residuals = (  # rank-local: a DTensor's residual is its local shard's
+            tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves) if compressor else ()
+        )
         return OuterState(0, global_params, outer.init(list(global_params)), (), residuals)
 
     def check_collective(collective: Collective) -> None:
@@ -233,9 +248,9 @@ def outer_optimizer(
         """Start ``fragment``'s synchronization; with a compressor it completes here,
         and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
-            pseudo = tuple(
-                (state.global_params[i].to(leaves[i].device, leaves[i].dtype) - leaves[i].detach()).to(
-                    comm_dtype or leaves[i].dtype
+            pseudo = tuple(  # in the global copy's dtype (an fp32 master's difference is fp32), sent in comm_dtype
+                (state.global_params[i].to(leaves[i].device) - leaves[i].detach().to(state.global_params[i].dtype)).to(
+                    comm_dtype or state.global_params[i].dtype
                 )
                 for i in indices
             )

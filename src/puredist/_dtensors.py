@@ -1,0 +1,65 @@
+"""DTensor leaves (FSDP2, tensor parallelism): each rank reduces its local shard.
+
+A model sharded within a replica group (``fully_shard`` over one mesh dimension,
+tensor parallelism over another) holds ``DTensor`` parameters. Averaging or an outer
+step *across* replica groups is the same operation on every rank's local shard: the
+ranks of a replica-crossing group (a mesh dimension, e.g. ``"replicate"``) hold the
+same shard of each parameter. So collectives reduce ``to_local()`` — the shard's own
+storage, written in place — and the rank check compares each DTensor's sharding
+(:func:`sharding_signature`), so that ranks holding different shards raise instead of
+averaging unrelated numbers. Elementwise arithmetic on DTensors of one spec (the
+outer optimizer's) stays on the shards; nothing here redistributes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Partial
+except ImportError:  # a torch built without distributed: no DTensor can reach us
+    DTensor = Partial = None
+
+
+def is_dtensor(tensor: object) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def check_not_pending(tensor: torch.Tensor, arg: str, label: str) -> None:
+    """Raise ValueError for a DTensor with a ``Partial`` placement (a reduction still
+    pending within its mesh: its shards are not values to average)."""
+    if is_dtensor(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
+        raise ValueError(
+            f"Arg ``{arg}``: {label} is a DTensor with placements {tensor.placements}: a Partial placement is a "
+            "reduction still pending within its mesh. Redistribute it to Shard or Replicate first."
+        )
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage, detached from autograd); any other tensor as is."""
+    return tensor.detach().to_local() if is_dtensor(tensor) else tensor
+
+
+def sharding_signature(tensor: torch.Tensor) -> str:
+    """What must match between ranks reducing ``tensor`` together: for a DTensor its
+    placements, local shape, mesh shape and dimension names, and this rank's coordinate
+    in the mesh (the same coordinate is the same shard); ``""`` for a plain tensor."""
+    if not is_dtensor(tensor):
+        return ""
+    mesh = tensor.device_mesh
+    return (
+        f",dtensor{tuple(tensor.placements)},local{tuple(tensor.to_local().shape)},"
+        f"mesh{tuple(mesh.shape)}{mesh.mesh_dim_names},at{mesh.get_coordinate()}"
+    )
+
+
+def like(reference: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor of ``reference``'s kind: for a DTensor reference, a DTensor
+    with its mesh, placements, global shape and stride holding ``local`` as this rank's
+    shard (no communication); else ``local`` itself."""
+    if not is_dtensor(reference):
+        return local
+    return DTensor.from_local(
+        local, reference.device_mesh, reference.placements, run_check=False, shape=reference.shape,
+        stride=reference.stride(),
+    )

@@ -1,0 +1,289 @@
+"""Sharded models (FSDP2, tensor parallelism): averaging and DiLoCo across replica
+groups on real ``fully_shard`` models over Gloo, at 4 ranks as 2 replica groups x 2
+shards and 4 x 1, against the same algorithm run on unsharded replicas (the simulated
+backend, in-process); mixed DTensor/plain trees; sharding mismatches and pending
+reductions refused on every rank."""
+
+import pytest
+import torch
+from torch import nn
+
+import puredist
+from workers import run_workers
+
+STEPS = 10
+
+
+def make_model():
+    torch.manual_seed(0)  # the same initial model on every rank
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def drift(replica, step, name, shape):
+    """A replica's training progress at a step: the same on the ranks of one replica group."""
+    gen = torch.Generator().manual_seed(1000 * replica + 10 * step + hash(name) % 10)
+    return torch.randn(shape, generator=gen)
+
+
+def _mesh(replicas, shards):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _sharded_against_oracle(rank, world_size, shards, transform_name, oracle_of):
+    """Run the transform on a fully_shard-ed model; alongside, run it on the oracle:
+    the replicas' whole tensors (``oracle_of == "model"``) or their shards at this
+    rank's coordinate (``"shard"``: the rule "each shard averaged with the same shard
+    of the other replica groups" itself), stacked and simulated in-process."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    replicas = world_size // shards
+    mesh = _mesh(replicas, shards)
+    replica = mesh.get_coordinate()[0]
+    transform = TRANSFORMS[transform_name]()
+    model = make_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fully_shard(model, mesh=mesh["shard"])
+    params = dict(model.named_parameters())
+
+    def shard(name, full):  # this rank's shard of a whole tensor shaped like the parameter (no communication)
+        p = params[name]
+        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+    def seen(name, full):
+        return full if oracle_of == "model" else shard(name, full)
+
+    oracle = {n: torch.stack([seen(n, t)] * replicas) for n, t in initial.items()}
+    collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
+    simulation = puredist.SimulatedCollective(replicas)
+    state, oracle_state = transform.init(params), transform.init(oracle)
+    # exact for 2 replicas; Gloo's ring sums 4 in another order than the simulation
+    tolerance = 0 if replicas == 2 else 1e-6
+    for step in range(STEPS):
+        with torch.no_grad():
+            for name, p in params.items():
+                p.to_local().add_(shard(name, drift(replica, step, name, p.shape)))
+                oracle[name].add_(torch.stack([seen(name, drift(r, step, name, p.shape)) for r in range(replicas)]))
+        state = transform.update_(params, state, collective=collective)
+        oracle_state = transform.update_(oracle, oracle_state, collective=simulation)
+        for name, p in params.items():
+            assert type(p).__name__ == "DTensor"
+            ours = p.full_tensor() if oracle_of == "model" else p.to_local()
+            torch.testing.assert_close(ours, oracle[name][replica], rtol=tolerance, atol=tolerance,
+                                       msg=lambda m: f"{name} step {step}: {m}")
+    return tuple(p.to_local().numel() for p in params.values())
+
+
+TRANSFORMS = {
+    "periodic": lambda: puredist.periodic_averager(3, warmup_steps=2),
+    "diloco": lambda: puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1, delay=1, fragments=2,
+    ),
+    "diloco_int8": lambda: puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1,
+        compressor=puredist.int8_blocks(8),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "shards, transform_name, oracle_of",
+    [
+        (2, "periodic", "model"), (2, "diloco", "model"), (1, "periodic", "model"), (1, "diloco", "model"),
+        (1, "diloco_int8", "model"),
+        # compression cuts its blocks over the rank's shards, so its oracle is the shards themselves
+        (2, "diloco_int8", "shard"), (2, "diloco", "shard"),
+    ],
+    ids=lambda value: {1: "4x1", 2: "2x2"}.get(value, str(value)),
+)
+def test_a_sharded_model_follows_its_oracle(shards, transform_name, oracle_of):
+    local_sizes = run_workers(_sharded_against_oracle, 4, shards, transform_name, oracle_of)
+    if shards == 2:  # each rank held and averaged only its shard (7 rows split 4 + 3)
+        assert local_sizes[0] != local_sizes[1] and sum(local_sizes[0]) + sum(local_sizes[1]) == 5 * 7 + 7 + 7 * 3 + 3
+
+
+def _diloco_state_is_sharded(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(2, 2)
+    model = make_model()
+    fully_shard(model, mesh=mesh["shard"])
+    transform = TRANSFORMS["diloco"]()
+    state = transform.init(dict(model.named_parameters()))
+    local = sum(g.to_local().numel() for g in state.global_params)
+    return local, sum(g.numel() for g in state.global_params), {type(g).__name__ for g in state.global_params}
+
+
+def test_the_global_copy_is_sharded_like_the_parameters():
+    results = run_workers(_diloco_state_is_sharded, 4)
+    for local, whole, kinds in results:
+        assert kinds == {"DTensor"} and local < whole
+    assert results[0][0] + results[1][0] == results[0][1]  # the two shards of a replica group make the model
+
+
+def _tensor_parallel_and_plain_leaves(rank, world_size):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(2, 2)
+    replica = mesh.get_coordinate()[0]
+    weight = torch.arange(24.0).reshape(4, 6) * (replica + 1)  # replica 1 holds twice replica 0's values
+    tree = {
+        "column_parallel": distribute_tensor(weight, mesh["shard"], [Shard(1)], src_data_rank=None),
+        "plain": torch.full((3,), float(replica)),
+    }
+    puredist.average_(tree, collective=puredist.DistributedCollective.from_mesh(mesh, "replicate"))
+    expected = torch.arange(24.0).reshape(4, 6) * 1.5
+    return (torch.equal(tree["column_parallel"].full_tensor(), expected), tree["column_parallel"].to_local().shape,
+            torch.equal(tree["plain"], torch.full((3,), 0.5)))
+
+
+def test_tensor_parallel_leaves_and_plain_tensors_average_together():
+    for exact, local_shape, plain in run_workers(_tensor_parallel_and_plain_leaves, 4):
+        assert exact and plain and tuple(local_shape) == (4, 3)
+
+
+def _mismatched_sharding(rank, world_size):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(2, 2)
+    replica = mesh.get_coordinate()[0]
+    weight = torch.ones(4, 4)
+    # replica group 1 shards the other dimension: same local shapes, different shards
+    leaf = distribute_tensor(weight, mesh["shard"], [Shard(replica)], src_data_rank=None)
+    before = leaf.to_local().clone()
+    try:
+        puredist.average_([leaf], collective=puredist.DistributedCollective.from_mesh(mesh, "replicate"))
+    except puredist.RankMismatchError as error:
+        return "dtensor" in str(error) or "nothing was changed" in str(error), torch.equal(leaf.to_local(), before)
+    return "averaged", None
+
+
+def test_replica_groups_sharded_differently_raise_on_every_rank():
+    assert run_workers(_mismatched_sharding, 4) == [(True, True)] * 4
+
+
+def _pending_reduction(rank, world_size):
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = _mesh(2, 2)
+    pending = DTensor.from_local(torch.ones(3), mesh["shard"], [Partial()])
+    collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
+    messages = []
+    for call in (puredist.average_, puredist.average):
+        try:
+            call({"w": pending}, collective=collective)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_partial_placements_are_refused_before_any_collective():
+    for messages in run_workers(_pending_reduction, 4):
+        assert len(messages) == 2 and all("Partial" in m and "leaf 0" in m for m in messages)
+
+
+def _mesh_errors(rank, world_size):
+    mesh = _mesh(2, 2)
+    try:
+        puredist.DistributedCollective.from_mesh(mesh, "replica")
+    except ValueError as error:
+        return str(error)
+
+
+def test_an_unknown_mesh_dimension_is_named():
+    for message in run_workers(_mesh_errors, 4):
+        assert "'replica'" in message and "('replicate', 'shard')" in message
+
+
+RESUME_AT, TOTAL = 6, 11  # the last step is a local one
+
+
+def _diloco_steps(model, params, transform, state, collective, replica, steps):
+    for step in steps:
+        with torch.no_grad():
+            for name, p in params.items():
+                from torch.distributed.tensor import distribute_tensor
+
+                full = drift(replica, step, name, p.shape)
+                p.to_local().add_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        state = transform.update_(params, state, collective=collective)
+    return state
+
+
+def _restartable(shards):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(2, shards)
+    model = make_model()
+    fully_shard(model, mesh=mesh["shard"])
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2, warmup_steps=1)
+    params = dict(model.named_parameters())
+    return mesh, model, params, transform, transform.init(params), puredist.DistributedCollective.from_mesh(mesh, "replicate")
+
+
+def _save_at_two_shards(rank, world_size, folder):
+    import torch.distributed.checkpoint as dcp
+
+    mesh, model, params, transform, state, collective = _restartable(2)
+    replica = mesh.get_coordinate()[0]
+    state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT))
+    dcp.save({"model": model.state_dict(), "outer": transform.state_dict(state, rank=rank)}, checkpoint_id=folder)
+    state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT, TOTAL))
+    return replica, {n: p.full_tensor() for n, p in params.items()}
+
+
+def _resume_unsharded(rank, world_size, folder):
+    import torch.distributed.checkpoint as dcp
+
+    mesh, model, params, transform, fresh, collective = _restartable(1)
+    replica = mesh.get_coordinate()[0]
+    saved = {"model": model.state_dict(), "outer": transform.state_dict(fresh, rank=rank)}
+    dcp.load(saved, checkpoint_id=folder)  # DCP reshards each DTensor: 2 shards saved, 1 loaded
+    model.load_state_dict(saved["model"])
+    state = transform.load_state_dict(fresh, saved["outer"], rank=rank)
+    assert state.step == RESUME_AT and all(type(g).__name__ == "DTensor" for g in state.global_params)
+    state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT, TOTAL))
+    return replica, {n: p.full_tensor() for n, p in params.items()}
+
+
+def test_a_checkpoint_resumes_at_another_shard_degree_on_the_same_trajectory(tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    uninterrupted = dict(run_workers(_save_at_two_shards, 4, folder))  # 2 replica groups x 2 shards
+    resumed = dict(run_workers(_resume_unsharded, 2, folder))  # 2 replica groups x 1 shard
+    for replica in (0, 1):
+        for name, tensor in uninterrupted[replica].items():
+            assert torch.equal(resumed[replica][name], tensor), (replica, name)
+    assert not torch.equal(uninterrupted[0]["0.weight"], uninterrupted[1]["0.weight"])  # local steps since the sync
+
+
+def _classic_post_local_sgd(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from puredist.classic import PeriodicModelAverager, PostLocalSGDOptimizer
+
+    mesh = _mesh(2, 2)
+    replica = mesh.get_coordinate()[0]
+    inputs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    # the oracle: each replica's unsharded model after one SGD step on its input, averaged
+    stepped = []
+    for r in range(2):
+        plain = make_model()
+        plain(inputs[r]).sum().backward()
+        torch.optim.SGD(plain.parameters(), lr=0.1).step()
+        stepped.append(dict(plain.named_parameters()))
+    model = make_model()
+    fully_shard(model, mesh=mesh["shard"])
+    averager = PeriodicModelAverager(period=2, warmup_steps=0, process_group=mesh.get_group("replicate"))
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
+    model(inputs[replica]).sum().backward()
+    optimizer.step()  # step 0: averaged (0 is a multiple of the period)
+    for name, p in model.named_parameters():
+        expected = (stepped[0][name].detach() + stepped[1][name].detach()) / 2
+        torch.testing.assert_close(p.full_tensor().detach(), expected, rtol=1e-6, atol=1e-6)
+    return True
+
+
+def test_torch_style_post_local_sgd_on_an_fsdp2_model():
+    assert run_workers(_classic_post_local_sgd, 4) == [True] * 4
