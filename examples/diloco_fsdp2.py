@@ -7,8 +7,9 @@ character-level GPT on CPython's documentation, from the demo) over ``shard``;
 with the same shards of the other replica groups. The global copy and the outer
 momentum are DTensors sharded like the parameters (their memory divided by the shard
 degree), kept in fp32 (``global_dtype``) while FSDP2 computes in bf16
-(``MixedPrecisionPolicy``). At the end the model and the DiLoCo state are saved with
-``torch.distributed.checkpoint``, which reshards them for any other layout.
+(``MixedPrecisionPolicy``). At the end each replica group's model and the DiLoCo state
+are saved with ``torch.distributed.checkpoint``, which reshards them for any other
+shard degree.
 
 Launch with torch's launcher (Gloo on CPU, or NCCL on GPUs)::
 
@@ -85,8 +86,10 @@ def main() -> None:
                                                      test[1].to(device_type).flatten()).item()
     global_bytes = sum(g.to_local().numel() * g.to_local().element_size() for g in state.global_params)
     if args.checkpoint:
-        dcp.save({"model": model.state_dict(), "diloco": diloco.state_dict(state, rank=dist.get_rank())},
-                 checkpoint_id=args.checkpoint)
+        # between outer steps the replica groups' models differ: each group saves its own (under one shared key,
+        # DCP would keep one group's shards for all); the DiLoCo state is the same in every group
+        dcp.save({f"model.replica{replica}": model.state_dict(),
+                  "diloco": diloco.state_dict(state, rank=dist.get_rank())}, checkpoint_id=args.checkpoint)
     if dist.get_rank() == 0:
         whole = sum(p.numel() for p in params.values()) * 4
         print(f"replica 0 held-out loss {held_out:.3f}; global copy on this rank: {global_bytes} of {whole} bytes "

@@ -212,46 +212,57 @@ def _diloco_steps(model, params, transform, state, collective, replica, steps):
     return state
 
 
-def _restartable(shards):
+def _restartable(shards, delay):
     from torch.distributed.fsdp import fully_shard
 
     mesh = _mesh(2, shards)
     model = make_model()
     fully_shard(model, mesh=mesh["shard"])
-    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2, warmup_steps=1)
+    transform = puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2 if delay == 0 else 4, warmup_steps=1, delay=delay,
+    )
     params = dict(model.named_parameters())
     return mesh, model, params, transform, transform.init(params), puredist.DistributedCollective.from_mesh(mesh, "replicate")
 
 
-def _save_at_two_shards(rank, world_size, folder):
+def _save_at_two_shards(rank, world_size, folder, delay):
     import torch.distributed.checkpoint as dcp
 
-    mesh, model, params, transform, state, collective = _restartable(2)
+    mesh, model, params, transform, state, collective = _restartable(2, delay)
     replica = mesh.get_coordinate()[0]
     state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT))
-    dcp.save({"model": model.state_dict(), "outer": transform.state_dict(state, rank=rank)}, checkpoint_id=folder)
+    assert bool(state.in_flight) == bool(delay)  # with a delay, the sync started at step 5 is saved in flight
+    # the replicas' parameters differ between synchronizations: each replica group saves its own (under one
+    # key for all groups, DCP would keep one group's shards for all); the DiLoCo state is the same in every group
+    dcp.save({f"model.replica{replica}": model.state_dict(), "outer": transform.state_dict(state, rank=rank)},
+             checkpoint_id=folder)
     state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT, TOTAL))
     return replica, {n: p.full_tensor() for n, p in params.items()}
 
 
-def _resume_unsharded(rank, world_size, folder):
+def _resume(rank, world_size, folder, shards, delay):
     import torch.distributed.checkpoint as dcp
 
-    mesh, model, params, transform, fresh, collective = _restartable(1)
+    mesh, model, params, transform, fresh, collective = _restartable(shards, delay)
     replica = mesh.get_coordinate()[0]
-    saved = {"model": model.state_dict(), "outer": transform.state_dict(fresh, rank=rank)}
+    saved = {f"model.replica{replica}": model.state_dict(), "outer": transform.state_dict(fresh, rank=rank)}
     dcp.load(saved, checkpoint_id=folder)  # DCP reshards each DTensor: 2 shards saved, 1 loaded
-    model.load_state_dict(saved["model"])
+    model.load_state_dict(saved[f"model.replica{replica}"])
     state = transform.load_state_dict(fresh, saved["outer"], rank=rank)
     assert state.step == RESUME_AT and all(type(g).__name__ == "DTensor" for g in state.global_params)
     state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT, TOTAL))
     return replica, {n: p.full_tensor() for n, p in params.items()}
 
 
-def test_a_checkpoint_resumes_at_another_shard_degree_on_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize(
+    "shards, delay",
+    [(1, 0), (2, 1)],
+    ids=["resharded 2x2 to 2x1", "2x2 with a sync in flight (its snapshots are per rank: same layout only)"],
+)
+def test_a_checkpoint_resumes_on_the_same_trajectory(tmp_path, shards, delay):
     folder = str(tmp_path / "checkpoint")
-    uninterrupted = dict(run_workers(_save_at_two_shards, 4, folder))  # 2 replica groups x 2 shards
-    resumed = dict(run_workers(_resume_unsharded, 2, folder))  # 2 replica groups x 1 shard
+    uninterrupted = dict(run_workers(_save_at_two_shards, 4, folder, delay))  # 2 replica groups x 2 shards
+    resumed = dict(run_workers(_resume, 2 * shards, folder, shards, delay))  # 2 replica groups x `shards`
     for replica in (0, 1):
         for name, tensor in uninterrupted[replica].items():
             assert torch.equal(resumed[replica][name], tensor), (replica, name)
@@ -287,3 +298,26 @@ def _classic_post_local_sgd(rank, world_size):
 
 def test_torch_style_post_local_sgd_on_an_fsdp2_model():
     assert run_workers(_classic_post_local_sgd, 4) == [True] * 4
+
+
+def _hierarchy_from_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dc", "replicate"))
+    collective = puredist.DistributedCollective.from_mesh(mesh, ("dc", "replicate"))
+    averager = puredist.hierarchical_averager({1: 2, 3: 4})  # pairs every step, everybody every 3
+    ours = [torch.zeros(6)]
+    oracle = [torch.zeros(4, 6)]  # the 4 ranks, simulated: blocks of 2 consecutive ranks are the pairs
+    state, oracle_state = averager.init(ours), averager.init(oracle)
+    simulation = puredist.SimulatedCollective(4)
+    for step in range(6):
+        ours[0].add_(drift(rank, step, "w", (6,)))
+        oracle[0].add_(torch.stack([drift(r, step, "w", (6,)) for r in range(4)]))
+        state = averager.update_(ours, state, collective=collective)
+        oracle_state = averager.update_(oracle, oracle_state, collective=simulation)
+        torch.testing.assert_close(ours[0], oracle[0][rank], rtol=1e-6, atol=1e-6)
+    return collective.group_sizes
+
+
+def test_several_mesh_dimensions_make_hierarchical_levels():
+    assert run_workers(_hierarchy_from_mesh, 4) == [(2, 4)] * 4

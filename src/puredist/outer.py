@@ -59,7 +59,7 @@ import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
-from puredist._dtensors import local_shard
+from puredist._dtensors import like, local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
@@ -372,9 +372,9 @@ def outer_optimizer(
             for k, i in enumerate(indices):
                 like = state.global_params[i].to(dtype=comm_dtype or state.global_params[i].dtype)
                 saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(like)
-                if delay:
+                if delay:  # rank-local: a DTensor's snapshot is saved as this rank's shard, a plain tensor
                     snapshot = item.snapshot[k] if item else torch.zeros_like(state.global_params[i])
-                    saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = snapshot
+                    saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = local_shard(snapshot)
         for i, residual in enumerate(state.residuals):  # differ between ranks
             saved[f"residual.{i}.rank{rank}"] = residual
         return saved
@@ -406,7 +406,10 @@ def outer_optimizer(
                 apply_step,
                 f,
                 tuple(saved[f"in_flight.{f}.pseudo_grad.{k}"].clone() for k in range(len(indices))),
-                tuple(saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"].clone() for k in range(len(indices))) if delay else (),
+                tuple(
+                    like(state.global_params[i], saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"].clone())
+                    for k, i in enumerate(indices)
+                ) if delay else (),
                 CollectiveHandle(),  # completed before it was saved
             ))
         in_flight.sort(key=lambda item: item.apply_step)
