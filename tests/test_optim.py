@@ -13,15 +13,17 @@ CASES = [
         "lr": st.floats(0.001, 0.5), "momentum": st.sampled_from([0.0, 0.5, 0.9]),
         "weight_decay": st.sampled_from([0.0, 0.01]), "maximize": st.booleans(),
         "dampening": st.sampled_from([0.0, 0.3]), "foreach": st.sampled_from([None, True, False]),
+        "fused": st.sampled_from([None, True]),
     })),
     (torch.optim.Adam, puredist.adam, st.fixed_dictionaries({
         "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.1]),
         "amsgrad": st.booleans(), "maximize": st.booleans(), "foreach": st.sampled_from([None, True, False]),
-        "decoupled_weight_decay": st.booleans(),
+        "decoupled_weight_decay": st.booleans(), "fused": st.sampled_from([None, True]),
     })),
     (torch.optim.AdamW, puredist.adamw, st.fixed_dictionaries({
         "lr": st.floats(0.001, 0.1), "weight_decay": st.sampled_from([0.0, 0.01]),
         "amsgrad": st.booleans(), "maximize": st.booleans(), "foreach": st.sampled_from([None, True, False]),
+        "fused": st.sampled_from([None, True]),
     })),
 ]
 
@@ -31,6 +33,8 @@ CASES = [
 @given(data=st.data())
 def test_matches_torch_optim_bitwise(dtype, torch_class, functional, hyperparams, data):
     kwargs = data.draw(hyperparams)
+    if kwargs["fused"]:  # torch's fused kernel (CPU here, CUDA on GPUs) excludes foreach
+        kwargs["foreach"] = None
     seed = data.draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     params = {"w": torch.randn(3, 4, generator=gen, dtype=dtype), "b": [torch.randn(5, generator=gen, dtype=dtype)]}
@@ -78,9 +82,38 @@ def test_a_missing_gradient_leaves_parameter_and_state_alone():
         (lambda: puredist.sgd(lr=-1.0), "lr.*-1.0"),
         (lambda: puredist.sgd(lr=0.1, nesterov=True), "Nesterov"),
         (lambda: puredist.adam(betas=(0.9, 1.0)), "betas.*1.0"),
+        (lambda: puredist.adamw(foreach=True, fused=True), "foreach.*fused.*cannot both"),
         (lambda: puredist.adamw(eps=-1e-8), "eps"),
     ],
 )
 def test_bad_hyperparameters_are_rejected(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+@pytest.mark.parametrize("torch_class, functional, kwargs", [
+    (torch.optim.SGD, puredist.sgd, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adam, puredist.adam, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, puredist.adamw, {"lr": 0.01, "weight_decay": 0.1}),
+], ids=["sgd", "adam", "adamw"])
+def test_fused_kernels_match_torch_bitwise(torch_class, functional, kwargs):
+    """torch's fused kernel (here on CPU; the same call takes CUDA tensors), state included
+    (1000-element tensors: there the fused kernels' results differ from the others')."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(1000, generator=gen), torch.randn(5, generator=gen)]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_optimizer = torch_class(reference, fused=True, **kwargs)
+    optimizer = functional(fused=True, **kwargs)
+    state = optimizer.init(params)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for r, g in zip(reference, grads):
+            r.grad = g.clone()
+        torch_optimizer.step()
+        state = optimizer.update_(params, grads, state)
+    assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference))
+    theirs = [torch_optimizer.state[r] for r in reference]
+    for ours, their in zip(state, theirs):
+        for field, value in ours._asdict().items():
+            if value is not None:
+                assert torch.equal(value, their[field]) and value.device == their[field].device, field

@@ -76,6 +76,11 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
 
 
+def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
+    if foreach and fused:
+        raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
+
+
 def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
@@ -124,23 +129,26 @@ def sgd(
     *,
     maximize: bool = False,
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> Optimizer:
     """Stochastic gradient descent, as ``torch.optim.SGD`` (same arguments and math;
-    ``foreach`` picks torch's kernel as the class does, ``None`` = torch's default).
+    ``foreach``/``fused`` pick torch's kernel as the class does, ``None`` = torch's
+    default; ``fused=True`` runs torch's fused kernel, on CPU or CUDA).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
-            without momentum or with dampening.
+            without momentum or with dampening; ``fused`` and ``foreach`` both True.
     """
     for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
         _check_nonnegative(name, value)
+    _check_kernel_choice(foreach, fused)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def step(params, grads, states):
         buffers = [s.momentum_buffer for s in states]
-        _sgd_kernel(params, grads, buffers, foreach=foreach, weight_decay=weight_decay, momentum=momentum,
-                    lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize)
+        _sgd_kernel(params, grads, buffers, foreach=foreach, fused=fused, weight_decay=weight_decay,
+                    momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize)
         if momentum == 0:
             return list(states)
         return [SGDParamState(b) for b in buffers]
@@ -148,15 +156,17 @@ def sgd(
     return _make_optimizer(lambda p: SGDParamState(None), step)
 
 
-def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled: bool) -> Optimizer:
+def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled: bool) -> Optimizer:
     for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         _check_nonnegative(arg, value)
+    _check_kernel_choice(foreach, fused)
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
         raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
 
     def init_leaf(p: torch.Tensor) -> AdamParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
-        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        # as torch.optim.Adam: the fused kernel keeps the step on the parameter's device
+        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
     def step(params, grads, states):
@@ -166,6 +176,7 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decou
             [s.max_exp_avg_sq for s in states] if amsgrad else [],
             [s.step for s in states],
             foreach=foreach,
+            fused=fused,
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize,
@@ -184,15 +195,17 @@ def adam(
     *,
     maximize: bool = False,
     foreach: bool | None = None,
+    fused: bool | None = None,
     decoupled_weight_decay: bool = False,
 ) -> Optimizer:
     """Adam, as ``torch.optim.Adam``: L2 weight decay added to the gradient, or
     decoupled (AdamW) with ``decoupled_weight_decay=True``.
 
     Raises:
-        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
+        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
+            ``fused`` and ``foreach`` both True.
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled_weight_decay)
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled_weight_decay)
 
 
 def adamw(
@@ -204,11 +217,13 @@ def adamw(
     *,
     maximize: bool = False,
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> Optimizer:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
     Raises:
-        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1).
+        ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
+            ``fused`` and ``foreach`` both True.
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, decoupled=True)
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled=True)
 
