@@ -321,3 +321,60 @@ def _hierarchy_from_mesh(rank, world_size):
 
 def test_several_mesh_dimensions_make_hierarchical_levels():
     assert run_workers(_hierarchy_from_mesh, 4) == [(2, 4)] * 4
+
+
+def _hsdp_leaf(rank, world_size):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(2, 2)
+    replica = mesh.get_coordinate()[0]
+    # HSDP's layout: replicated along "replicate", sharded along "shard", on the whole 2-D mesh
+    leaf = distribute_tensor(torch.zeros(4, 6), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+    leaf.to_local().add_(replica + 1.0)  # the replica groups drift apart, as between synchronizations
+    puredist.average_([leaf], collective=puredist.DistributedCollective.from_mesh(mesh, "replicate"))
+    return torch.equal(leaf.to_local(), torch.full((2, 6), 1.5))
+
+
+def test_an_hsdp_leaf_averages_across_its_own_replicate_dimension():
+    assert run_workers(_hsdp_leaf, 4) == [True] * 4
+
+
+def _mesh_slices(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dc", "replicate", "shard"))
+    messages = []
+    for bad in (lambda: puredist.DistributedCollective.from_mesh(mesh["dc", "replicate"], ("dc", "replicate")),
+                lambda: puredist.DistributedCollective.from_mesh(mesh, ("dc", "dc"))):
+        try:
+            bad()
+        except ValueError as error:
+            messages.append(str(error))
+    collective = puredist.DistributedCollective.from_mesh(mesh, ("dc", "replicate"))
+    # the ranks that differ only in dc and replicate: same shard coordinate
+    members = torch.distributed.get_process_group_ranks(collective.process_group)
+    return messages, members, collective.group_sizes
+
+
+def test_a_mesh_slice_over_several_dimensions_is_refused_instead_of_hanging():
+    for rank, (messages, members, sizes) in enumerate(run_workers(_mesh_slices, 8, timeout=120)):
+        assert len(messages) == 2 and "a slice" in messages[0] and "repeated" in messages[1]
+        assert members == [r for r in range(8) if r % 2 == rank % 2] and sizes == (2, 4)
+
+
+def _whole_world_mixes_shards(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(2, 2)
+    model = make_model()
+    fully_shard(model, mesh=mesh["shard"])
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:  # the default group pairs rank 0's shards with rank 1's, which are other rows
+        puredist.average_(dict(model.named_parameters()), collective=puredist.DistributedCollective())
+    except puredist.RankMismatchError:
+        return all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    return "averaged"
+
+
+def test_averaging_shards_over_the_whole_world_raises_on_every_rank():
+    assert run_workers(_whole_world_mixes_shards, 4) == [True] * 4

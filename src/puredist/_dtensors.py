@@ -43,13 +43,17 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 def sharding_signature(tensor: torch.Tensor) -> str:
     """What must match between ranks reducing ``tensor`` together: for a DTensor its
     placements, local shape, mesh shape and dimension names, and this rank's coordinate
-    in the mesh (the same coordinate is the same shard); ``""`` for a plain tensor."""
+    along the mesh dimensions that shard it (the same coordinates there are the same
+    shard; along a ``Replicate`` dimension — HSDP's replica dimension, say — every
+    coordinate holds the same shard); ``""`` for a plain tensor."""
     if not is_dtensor(tensor):
         return ""
     mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate() or ()
+    shard = tuple(c for c, placement in zip(coordinate, tensor.placements) if not placement.is_replicate())
     return (
         f",dtensor{tuple(tensor.placements)},local{tuple(tensor.to_local().shape)},"
-        f"mesh{tuple(mesh.shape)}{mesh.mesh_dim_names},at{mesh.get_coordinate()}"
+        f"mesh{tuple(mesh.shape)}{mesh.mesh_dim_names},shard{shard}"
     )
 
 

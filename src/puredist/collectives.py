@@ -229,18 +229,27 @@ class DistributedCollective:
 
         With several dimensions, outermost first (``("dc", "replicate")``), the whole
         group spans all of them and each inner suffix is a subgroup for hierarchical
-        averaging: group sizes ``|replicate|`` and ``|dc| * |replicate|``. Every rank of
-        the mesh must call this (subgroups spanning several dimensions are created
-        collectively). ``kwargs`` go to the constructor.
+        averaging: group sizes ``|replicate|`` and ``|dc| * |replicate|``; then every
+        rank of the default group must call this with the whole mesh (groups spanning
+        several dimensions are created collectively, once per set of ranks).
+        ``kwargs`` go to the constructor.
 
         Raises:
-            ValueError: an unknown dimension name, or none.
+            ValueError: an unknown or repeated dimension name, or none; several
+                dimensions of a mesh that does not cover every rank (a slice).
         """
         names = (dims,) if isinstance(dims, str) else tuple(dims)
         known = mesh.mesh_dim_names or ()
         unknown = [name for name in names if name not in known]
-        if unknown or not names:
-            raise ValueError(f"Arg ``dims`` {dims!r}: the mesh's dimensions are {known}; got unknown {unknown or dims!r}.")
+        if unknown or not names or len(set(names)) != len(names):
+            raise ValueError(
+                f"Arg ``dims`` {dims!r}: the mesh's dimensions are {known}; got unknown, repeated or no names."
+            )
+        if len(names) > 1 and mesh.mesh.numel() != dist.get_world_size():
+            raise ValueError(
+                f"Arg ``mesh`` covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks (a slice of a larger "
+                f"mesh): groups over several dimensions {names} are created by every rank together; pass the whole mesh."
+            )
         groups = [_mesh_group(mesh, names[i:]) for i in range(len(names))]  # whole first, then inner suffixes
         subgroups = {dist.get_world_size(g): g for g in groups[1:] if dist.get_world_size(g) != dist.get_world_size(groups[0])}
         return cls(groups[0], subgroups=subgroups, **kwargs)
@@ -431,9 +440,16 @@ def _mesh_group(mesh: "DeviceMesh", names: tuple[str, ...]) -> dist.ProcessGroup
         return mesh.get_group(names[0])
     order = [mesh.mesh_dim_names.index(name) for name in names]
     others = [d for d in range(mesh.ndim) if d not in order]
-    ranks = mesh.mesh.permute(*others, *order).reshape(-1, math.prod(mesh.mesh.shape[d] for d in order))
-    group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+    ranks = mesh.mesh.permute(*others, *order).reshape(-1, math.prod(mesh.mesh.shape[d] for d in order)).tolist()
+    key = tuple(map(tuple, ranks))
+    world, group = _MESH_GROUPS.get(key, (None, None))
+    if world is not dist.group.WORLD:  # a process group holds sockets and threads: one per set of ranks and world
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        _MESH_GROUPS[key] = (dist.group.WORLD, group)
     return group
+
+
+_MESH_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 _SUBGROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}

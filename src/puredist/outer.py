@@ -439,6 +439,13 @@ def outer_optimizer(
                 f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
                 "size. Each rank's residuals are its own; a compressed run resumes at the world size it was saved at."
             )
+        for i, template in enumerate(state.residuals):
+            shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
+            if shape != tuple(template.shape):
+                raise ValueError(
+                    f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
+                    "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
+                )
         for f, indices in enumerate(fragment_leaves):
             apply_step = int(saved[f"in_flight.{f}.apply_step"])
             if apply_step >= 0 and not step <= apply_step <= step + delay:
