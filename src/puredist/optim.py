@@ -68,7 +68,19 @@ class Optimizer(NamedTuple):
     update_: Callable[[PyTree, PyTree, tuple], tuple]
 
 
-_Step = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], list[NamedTuple]]
+_Step = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple], bool], list[NamedTuple]]
+"""``step(params, grads, states, traced)`` runs torch's kernel in place on ``params`` and
+the states' tensors; ``traced``: single-tensor kernels in their differentiable form
+(no host reads of the step count), recorded by autograd and functorch."""
+
+
+def _traced(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the update must be recorded: a tensor is wrapped by a ``torch.func``
+    transform (``grad``, ``vmap``, ...), or autograd is on and a tensor requires grad."""
+    return any(
+        torch._C._functorch.is_functorch_wrapped_tensor(t) or (t.requires_grad and torch.is_grad_enabled())
+        for t in tensors
+    )
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -105,17 +117,35 @@ def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
                 [leaves[i].detach() for i in active],
                 [grad_leaves[i] for i in active],
                 [state[i] for i in active],
+                False,
             )
         for i, s in zip(active, stepped):
             new_state[i] = s
         return tuple(new_state)
 
     def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
-        """Pure: ``(new params, new state)``; the inputs are not modified."""
+        """Pure: ``(new params, new state)``; the inputs are not modified. Under
+        ``torch.func`` transforms (``vmap`` over stacked params, grads and states;
+        ``grad``) or with inputs that require grad, the step is recorded: torch's
+        single-tensor kernels in their differentiable form (equal to the eager step
+        up to rounding: the step count's powers are taken in its dtype)."""
         leaves, spec = tree_flatten(params)
-        copies = clone_leaves(leaves)
-        new_state = update_(copies, spec.flatten_up_to(grads), tuple(_clone_state(s) for s in state))
-        return tree_unflatten(spec, copies), new_state
+        grad_leaves = spec.flatten_up_to(grads)
+        states = [list(s) for s in state]
+        if not _traced([*leaves, *(g for g in grad_leaves if g is not None),
+                        *(t for s in states for t in s if isinstance(t, torch.Tensor))]):
+            copies = clone_leaves(leaves)
+            return tree_unflatten(spec, copies), update_(copies, grad_leaves, tuple(_clone_state(s) for s in state))
+        if len(state) != len(leaves):
+            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
+        copies = [leaf.clone() for leaf in leaves]  # recorded: the update is differentiable
+        active = [i for i, g in enumerate(grad_leaves) if g is not None]
+        new_state = list(state)
+        stepped = step([copies[i] for i in active], [grad_leaves[i] for i in active],
+                       [_clone_state(state[i]) for i in active], True)
+        for i, s in zip(active, stepped):
+            new_state[i] = s
+        return tree_unflatten(spec, copies), tuple(new_state)
 
     return Optimizer(init, update, update_)
 
@@ -145,10 +175,11 @@ def sgd(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def step(params, grads, states):
+    def step(params, grads, states, traced):
         buffers = [s.momentum_buffer for s in states]
-        _sgd_kernel(params, grads, buffers, foreach=foreach, fused=fused, weight_decay=weight_decay,
-                    momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize)
+        _sgd_kernel(params, grads, buffers, foreach=False if traced else foreach, fused=False if traced else fused,
+                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                    maximize=maximize)
         if momentum == 0:
             return list(states)
         return [SGDParamState(b) for b in buffers]
@@ -169,14 +200,15 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
-    def step(params, grads, states):
+    def step(params, grads, states, traced):
         _adam_kernel(
             params, grads,
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
             [s.max_exp_avg_sq for s in states] if amsgrad else [],
             [s.step for s in states],
-            foreach=foreach,
-            fused=fused,
+            foreach=False if traced else foreach,
+            fused=False if traced else fused,
+            differentiable=traced,
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize,

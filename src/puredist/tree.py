@@ -29,7 +29,7 @@ _NAMESPACE = "puredist"
 
 PyTree = Any
 
-__all__ = ["PyTree", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "clone_leaves"]
+__all__ = ["PyTree", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "clone_leaves", "vmap_axes"]
 
 
 class _TracedSpec:
@@ -83,3 +83,12 @@ def clone_leaves(leaves: list[Any]) -> list[Any]:
     """Fresh tensors with the leaves' values (detached, ``requires_grad`` kept): the
     outputs of the pure functions, which never write into their inputs."""
     return [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+
+
+def vmap_axes(tree: PyTree, axis: int = 0) -> PyTree:
+    """``tree``'s structure with ``axis`` for each tensor and ``None`` for each ``None``
+    field: the ``in_dims``/``out_dims`` that ``torch.func.vmap`` needs for a state with
+    fields that may be absent (SGD's momentum buffer before the first step, Adam's
+    ``max_exp_avg_sq`` without amsgrad), e.g.
+    ``vmap(opt.update, in_dims=(0, 0, vmap_axes(state)), out_dims=(0, vmap_axes(state)))``."""
+    return torch_pytree.tree_map(lambda leaf: None if leaf is None else axis, tree)
