@@ -15,6 +15,10 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-tuple of states: that is how ZeRO steps only the
 parameters a rank owns.
 
+Each constructor also takes ``differentiable`` (default False): with True, ``update``
+records its step for autograd (differentiate through it, as under ``torch.func``
+transforms, where it is always recorded); without, its new parameters are fresh leaves.
+
 The math is torch's own: the steps call ``torch.optim``'s functional kernels
 (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``) with the same foreach/fused
 defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
@@ -74,11 +78,13 @@ the states' tensors; ``traced``: single-tensor kernels in their differentiable f
 (no host reads of the step count), recorded by autograd and functorch."""
 
 
-def _traced(tensors: Sequence[torch.Tensor]) -> bool:
+def _traced(tensors: Sequence[torch.Tensor], differentiable: bool) -> bool:
     """Whether the update must be recorded: a tensor is wrapped by a ``torch.func``
-    transform (``grad``, ``vmap``, ...), or autograd is on and a tensor requires grad."""
+    transform (``grad``, ``vmap``, ...), or the optimizer is ``differentiable``, autograd
+    is on and a tensor requires grad."""
     return any(
-        torch._C._functorch.is_functorch_wrapped_tensor(t) or (t.requires_grad and torch.is_grad_enabled())
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+        or (differentiable and t.requires_grad and torch.is_grad_enabled())
         for t in tensors
     )
 
@@ -97,7 +103,7 @@ def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
 
-def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
+def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> Optimizer:
     def init(params: PyTree) -> tuple:
         """One fresh per-parameter state for each leaf of ``params``."""
         leaves, _ = tree_flatten(params)
@@ -124,25 +130,26 @@ def _make_optimizer(init_leaf: Callable, step: _Step) -> Optimizer:
         return tuple(new_state)
 
     def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
-        """Pure: ``(new params, new state)``; the inputs are not modified. Under
+        """Pure: ``(new params, new state)``; the inputs are not modified; the new
+        parameters are fresh tensors (leaves, ``requires_grad`` kept). Under
         ``torch.func`` transforms (``vmap`` over stacked params, grads and states;
-        ``grad``) or with inputs that require grad, the step is recorded: torch's
-        single-tensor kernels in their differentiable form (equal to the eager step
-        up to rounding: the step count's powers are taken in its dtype)."""
+        ``grad``), and with autograd for an optimizer built ``differentiable=True``,
+        the step is recorded instead: torch's single-tensor kernels in their
+        differentiable form (equal to the eager step up to rounding: the step count's
+        powers are taken in its dtype, about 1e-7 of ``lr`` for Adam)."""
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         states = [list(s) for s in state]
         if not _traced([*leaves, *(g for g in grad_leaves if g is not None),
-                        *(t for s in states for t in s if isinstance(t, torch.Tensor))]):
+                        *(t for s in states for t in s if isinstance(t, torch.Tensor))], differentiable):
             copies = clone_leaves(leaves)
             return tree_unflatten(spec, copies), update_(copies, grad_leaves, tuple(_clone_state(s) for s in state))
         if len(state) != len(leaves):
             raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
         copies = [leaf.clone() for leaf in leaves]  # recorded: the update is differentiable
         active = [i for i, g in enumerate(grad_leaves) if g is not None]
-        new_state = list(state)
-        stepped = step([copies[i] for i in active], [grad_leaves[i] for i in active],
-                       [_clone_state(state[i]) for i in active], True)
+        new_state = [_clone_state(s) for s in state]  # the inputs' state tensors are never handed out
+        stepped = step([copies[i] for i in active], [grad_leaves[i] for i in active], [new_state[i] for i in active], True)
         for i, s in zip(active, stepped):
             new_state[i] = s
         return tree_unflatten(spec, copies), tuple(new_state)
@@ -160,10 +167,13 @@ def sgd(
     maximize: bool = False,
     foreach: bool | None = None,
     fused: bool | None = None,
+    differentiable: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent, as ``torch.optim.SGD`` (same arguments and math;
     ``foreach``/``fused`` pick torch's kernel as the class does, ``None`` = torch's
-    default; ``fused=True`` runs torch's fused kernel, on CPU or CUDA).
+    default; ``fused=True`` runs torch's fused kernel, on CPU or CUDA;
+    ``differentiable=True``: ``update`` records its step for autograd, as under
+    ``torch.func`` transforms).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
@@ -175,19 +185,39 @@ def sgd(
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
+    def first_traced_step(param, grad):
+        """torch's first momentum step (``buf = grad``) without its ``detach``, which would
+        cut the gradient through the buffer; returns the buffer."""
+        grad = -grad if maximize else grad
+        if weight_decay:
+            grad = grad.add(param, alpha=weight_decay)
+        buffer = grad.clone()
+        param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-lr)
+        return buffer
+
     def step(params, grads, states, traced):
         buffers = [s.momentum_buffer for s in states]
-        _sgd_kernel(params, grads, buffers, foreach=False if traced else foreach, fused=False if traced else fused,
+        first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
+        for k in first:
+            buffers[k] = first_traced_step(params[k], grads[k])
+        rest = [k for k in range(len(params)) if k not in first]
+        rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
+        _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
+                    foreach=False if traced else foreach, fused=False if traced else fused,
                     weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
+        for k, buffer in zip(rest, rest_buffers):
+            buffers[k] = buffer
         if momentum == 0:
             return list(states)
         return [SGDParamState(b) for b in buffers]
 
-    return _make_optimizer(lambda p: SGDParamState(None), step)
+    return _make_optimizer(lambda p: SGDParamState(None), step, differentiable)
 
 
-def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled: bool) -> Optimizer:
+def _adam_family(
+    lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
+) -> Optimizer:
     for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         _check_nonnegative(arg, value)
     _check_kernel_choice(foreach, fused)
@@ -209,13 +239,14 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused
             foreach=False if traced else foreach,
             fused=False if traced else fused,
             differentiable=traced,
+            has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize,
         )
         return list(states)
 
-    return _make_optimizer(init_leaf, step)
+    return _make_optimizer(init_leaf, step, differentiable)
 
 
 def adam(
@@ -228,6 +259,7 @@ def adam(
     maximize: bool = False,
     foreach: bool | None = None,
     fused: bool | None = None,
+    differentiable: bool = False,
     decoupled_weight_decay: bool = False,
 ) -> Optimizer:
     """Adam, as ``torch.optim.Adam``: L2 weight decay added to the gradient, or
@@ -237,7 +269,9 @@ def adam(
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
             ``fused`` and ``foreach`` both True.
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled_weight_decay)
+    return _adam_family(
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable, decoupled_weight_decay
+    )
 
 
 def adamw(
@@ -250,6 +284,7 @@ def adamw(
     maximize: bool = False,
     foreach: bool | None = None,
     fused: bool | None = None,
+    differentiable: bool = False,
 ) -> Optimizer:
     """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
 
@@ -257,5 +292,5 @@ def adamw(
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
             ``fused`` and ``foreach`` both True.
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, decoupled=True)
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable, decoupled=True)
 
