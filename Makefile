@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test demo bench install upstream
+.PHONY: test demo bench install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ test: install
 upstream: install
 	$(PY) -m pip install --quiet -e .[upstream]
 	$(PY) upstream/run.py
+
+# the API reference from the docstrings, offline; a type annotation pdoc cannot resolve is an error
+DOCS_MODULES := puredist puredist.classic puredist.tree puredist.testing
+docs: install
+	$(PY) -W "error::UserWarning:pdoc.doc_types" -m pdoc -o out/docs $(DOCS_MODULES)
 
 demo: install
 	$(PY) -m puredist demo $(ARGS)

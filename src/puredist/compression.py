@@ -30,7 +30,6 @@ int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``;
 selects within each chunk).
 """
 
-from __future__ import annotations
 
 import math
 from typing import Callable, NamedTuple

@@ -25,7 +25,6 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` step for step.
 """
 
-from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 

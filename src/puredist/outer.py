@@ -51,7 +51,6 @@ same for any state of one transform), which ``torch.save`` and
 ``torch.distributed.checkpoint`` both store.
 """
 
-from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
