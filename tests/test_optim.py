@@ -117,3 +117,42 @@ def test_fused_kernels_match_torch_bitwise(torch_class, functional, kwargs):
         for field, value in ours._asdict().items():
             if value is not None:
                 assert torch.equal(value, their[field]) and value.device == their[field].device, field
+
+
+@pytest.mark.parametrize("torch_class, functional", [(torch.optim.Adam, puredist.adam), (torch.optim.AdamW, puredist.adamw)])
+def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, functional):
+    base, decay = 0.01, (lambda count: 0.5 ** count)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(50, generator=gen), torch.randn(3, generator=gen)]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_optimizer = torch_class(reference, lr=base)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch_optimizer, decay)
+    optimizer, constant = functional(lr=lambda count: base * decay(count)), functional(lr=base)
+    unscheduled = [p.clone() for p in params]
+    state, constant_state = optimizer.init(params), constant.init(unscheduled)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for r, g in zip(reference, grads):
+            r.grad = g.clone()
+        torch_optimizer.step()
+        scheduler.step()
+        state = optimizer.update_(params, grads, state)
+        constant_state = constant.update_(unscheduled, grads, constant_state)
+        assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference))
+    assert not torch.equal(params[0], unscheduled[0])  # the schedule mattered: a constant rate ends elsewhere
+
+
+def test_sgd_refuses_a_schedule_and_says_why():
+    with pytest.raises(TypeError, match="``lr`` of sgd must be a number.*no step count"):
+        puredist.sgd(lr=lambda count: 0.1)
+
+
+def test_a_schedule_under_a_transform_says_why_it_cannot_run():
+    optimizer = puredist.adam(lr=lambda count: 0.01)
+    params = torch.randn(2, 3)
+    state = optimizer.init([params[0]])
+    stacked = tuple(type(s)(*(None if t is None else torch.stack([t] * 2) for t in s)) for s in state)
+    from puredist.tree import vmap_axes
+
+    with pytest.raises(NotImplementedError, match="``lr`` is a schedule"):
+        torch.func.vmap(optimizer.update, in_dims=(0, 0, vmap_axes(stacked)))([params], [torch.randn(2, 3)], stacked)

@@ -15,6 +15,11 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-tuple of states: that is how ZeRO steps only the
 parameters a rank owns.
 
+``adam``/``adamw`` take a learning-rate schedule, as optax does: ``lr`` a callable of
+the step count (the updates this parameter has had, from 0), read on the host each
+update; at update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
+``lambda k: lr(k) / base_lr``). SGD's state holds no count to schedule by.
+
 Each constructor also takes ``differentiable`` (default False): with True, ``update``
 records its step for autograd (differentiate through it, as under ``torch.func``
 transforms, where it is always recorded); without, its new parameters are fresh leaves.
@@ -177,7 +182,13 @@ def sgd(
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
             without momentum or with dampening; ``fused`` and ``foreach`` both True.
+        TypeError: a callable ``lr`` (a schedule: SGD's state has no step count).
     """
+    if callable(lr):
+        raise TypeError(
+            f"Arg ``lr`` of sgd must be a number, got the callable {lr!r}: SGD's state holds no step count to "
+            "schedule by (adam and adamw take schedules); compute the rate each step and build sgd with it."
+        )
     for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
         _check_nonnegative(name, value)
     _check_kernel_choice(foreach, fused)
@@ -217,7 +228,7 @@ def sgd(
 def _adam_family(
     lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
 ) -> Optimizer:
-    for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+    for arg, value in (("eps", eps), ("weight_decay", weight_decay), *(() if callable(lr) else (("lr", lr),))):
         _check_nonnegative(arg, value)
     _check_kernel_choice(foreach, fused)
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -229,7 +240,7 @@ def _adam_family(
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
-    def step(params, grads, states, traced):
+    def kernel(params, grads, states, traced, rate: float) -> None:
         _adam_kernel(
             params, grads,
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
@@ -240,9 +251,24 @@ def _adam_family(
             differentiable=traced,
             has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,
-            amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
+            amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=rate,
             weight_decay=weight_decay, eps=eps, maximize=maximize,
         )
+
+    def step(params, grads, states, traced):
+        if not callable(lr):
+            kernel(params, grads, states, traced, lr)
+            return list(states)
+        if traced:
+            raise NotImplementedError(
+                "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
+                "transform hides; under transforms pass a number (or the schedule's value, computed outside)."
+            )
+        counts = [int(s.step) for s in states]  # a parameter skipped (no grad) has its own count
+        for count in sorted(set(counts)):
+            group = [k for k, c in enumerate(counts) if c == count]
+            kernel([params[k] for k in group], [grads[k] for k in group], [states[k] for k in group], traced,
+                   float(lr(count)))
         return list(states)
 
     return _make_optimizer(init_leaf, step, differentiable)
