@@ -190,6 +190,9 @@ def test_one_rank_keeps_its_values_and_leaves_nothing_over():
     x = torch.randn(1, 10)
     mean, state = averager.update(x, averager.init(x), collective=SimulatedCollective(1))
     assert torch.equal(mean, x) and torch.equal(state.residuals[0], torch.zeros(1, 10))
+    x[0, 3] = float("nan")  # refused as at any world size, not passed through
+    with pytest.raises(ValueError, match="inf or NaN"):
+        averager.update(x, state, collective=SimulatedCollective(1))
 
 
 def test_empty_payloads_and_rounding_of_k():

@@ -18,7 +18,6 @@ every rank. ``params`` is any pytree of floating-point tensors (a dict from
 ``named_parameters()``, a list, nested containers); ``None`` leaves are skipped.
 """
 
-
 from typing import Callable, Mapping, NamedTuple
 
 import torch

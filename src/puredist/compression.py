@@ -30,7 +30,6 @@ int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``;
 selects within each chunk).
 """
 
-
 import math
 from typing import Callable, NamedTuple
 
@@ -240,10 +239,7 @@ def compressed_mean(
     count = world if simulated else 1  # rows: one per (simulated) rank
     given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
     residuals = tuple(local_shard(r) for r in residuals)
-    if world == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
-        means = [like(g, (leaf.detach().float() + r).to(leaf.dtype)) for g, leaf, r in zip(given, leaves, residuals)]
-        return means, [torch.zeros_like(r) for r in residuals]
-    # all leaves in one flat row, zero-padded into W equal chunks: blocks may span leaves
+    # all leaves in one flat row: blocks may span leaves
     rows = torch.cat(
         [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
         dim=1,
@@ -256,8 +252,27 @@ def compressed_mean(
             f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN: a block's scale, and then the "
             f"residual, would be non-finite for good. Nothing was sent; skip this step (e.g. an AMP overflow). {context}"
         )
-    sizes, numel = [leaf.numel() // count for leaf in leaves], rows.shape[1]
-    chunk = -(-numel // world)
+    if world == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
+        mean, left = rows[0], torch.zeros_like(rows)
+    else:
+        mean, left = _two_phase_mean(rows, compressor, collective, simulated, leaves)
+    sizes = [leaf.numel() // count for leaf in leaves]
+    outputs = [
+        like(original, part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone())
+        for part, leaf, original, size in zip(mean.split(sizes), leaves, given, sizes)
+    ]
+    new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
+    return outputs, new_residuals
+
+
+def _two_phase_mean(
+    rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool, leaves: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of ``rows`` (``[count, numel]``, one row per simulated rank or
+    this rank's) by the module's two phases: the flat mean every rank gets, and each
+    row's new residual. ``leaves`` only name what a failed collective left unchanged."""
+    world, (count, numel) = collective.world_size, rows.shape
+    chunk = -(-numel // world)  # zero-padded into W equal chunks
     chunks = torch.nn.functional.pad(rows, (0, chunk * world - numel)).view(count, world, chunk)
     # phase 1: chunk c of every row, compressed, to its owner c (the owner's own chunk exact, never encoded)
     owners = range(world) if simulated else [collective.rank]  # the rank of each row
@@ -295,14 +310,7 @@ def compressed_mean(
     left = chunks - kept
     for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost
         left[row, owner] = world * (means[row] - finals[row])
-    mean = torch.cat(decoded)[:numel]
-    left = left.reshape(count, -1)[:, :numel]
-    outputs = [
-        like(original, part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone())
-        for part, leaf, original, size in zip(mean.split(sizes), leaves, given, sizes)
-    ]
-    new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
-    return outputs, new_residuals
+    return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
 
 
 def compressed_averager(compressor: Compressor) -> CompressedAverager:

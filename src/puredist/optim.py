@@ -30,7 +30,6 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` step for step.
 """
 
-
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -113,25 +112,24 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         leaves, _ = tree_flatten(params)
         return tuple(init_leaf(p) for p in leaves)
 
-    def update_(params: PyTree, grads: PyTree, state: tuple) -> tuple:
-        """Step ``params`` in place (a ``None`` grad skips its parameter); return the
-        new state."""
-        leaves, spec = tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
+    def stepped(leaves: list, grad_leaves: list, state: tuple, traced: bool) -> tuple:
+        """Step ``leaves`` in place with ``step`` (a ``None`` grad skips its parameter and
+        keeps its state); return the new state."""
         if len(state) != len(leaves):
             raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
         active = [i for i, g in enumerate(grad_leaves) if g is not None]
         new_state = list(state)
-        with torch.no_grad():
-            stepped = step(
-                [leaves[i].detach() for i in active],
-                [grad_leaves[i] for i in active],
-                [state[i] for i in active],
-                False,
-            )
-        for i, s in zip(active, stepped):
+        new = step([leaves[i] for i in active], [grad_leaves[i] for i in active], [state[i] for i in active], traced)
+        for i, s in zip(active, new):
             new_state[i] = s
         return tuple(new_state)
+
+    def update_(params: PyTree, grads: PyTree, state: tuple) -> tuple:
+        """Step ``params`` in place (a ``None`` grad skips its parameter); return the
+        new state."""
+        leaves, spec = tree_flatten(params)
+        with torch.no_grad():
+            return stepped([leaf.detach() for leaf in leaves], spec.flatten_up_to(grads), state, False)
 
     def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
         """Pure: ``(new params, new state)``; the inputs are not modified; the new
@@ -143,20 +141,13 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         powers are taken in its dtype, about 1e-7 of ``lr`` for Adam)."""
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
-        states = [list(s) for s in state]
-        if not _traced([*leaves, *(g for g in grad_leaves if g is not None),
-                        *(t for s in states for t in s if isinstance(t, torch.Tensor))], differentiable):
+        cloned = tuple(_clone_state(s) for s in state)  # the inputs' state tensors are never handed out
+        state_tensors = [t for s in state for t in s if isinstance(t, torch.Tensor)]
+        if not _traced([*leaves, *(g for g in grad_leaves if g is not None), *state_tensors], differentiable):
             copies = clone_leaves(leaves)
-            return tree_unflatten(spec, copies), update_(copies, grad_leaves, tuple(_clone_state(s) for s in state))
-        if len(state) != len(leaves):
-            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
+            return tree_unflatten(spec, copies), update_(copies, grad_leaves, cloned)
         copies = [leaf.clone() for leaf in leaves]  # recorded: the update is differentiable
-        active = [i for i, g in enumerate(grad_leaves) if g is not None]
-        new_state = [_clone_state(s) for s in state]  # the inputs' state tensors are never handed out
-        stepped = step([copies[i] for i in active], [grad_leaves[i] for i in active], [new_state[i] for i in active], True)
-        for i, s in zip(active, stepped):
-            new_state[i] = s
-        return tree_unflatten(spec, copies), tuple(new_state)
+        return tree_unflatten(spec, copies), stepped(copies, grad_leaves, cloned, True)
 
     return Optimizer(init, update, update_)
 

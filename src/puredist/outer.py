@@ -51,7 +51,6 @@ same for any state of one transform), which ``torch.save`` and
 ``torch.distributed.checkpoint`` both store.
 """
 
-
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -369,8 +368,8 @@ def outer_optimizer(
                 item.handle.wait()
             saved[f"in_flight.{f}.apply_step"] = item.apply_step if item is not None else -1
             for k, i in enumerate(indices):
-                like = state.global_params[i].to(dtype=comm_dtype or state.global_params[i].dtype)
-                saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(like)
+                shaped = state.global_params[i].to(dtype=comm_dtype or state.global_params[i].dtype)
+                saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(shaped)
                 if delay:  # rank-local: a DTensor's snapshot is saved as this rank's shard, a plain tensor
                     snapshot = item.snapshot[k] if item else torch.zeros_like(state.global_params[i])
                     saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = local_shard(snapshot)

@@ -15,7 +15,6 @@ Generate parameter trees and replica worlds, then check a step function on
 Needs ``hypothesis`` (``pip install puredist[test]``).
 """
 
-
 from typing import Sequence
 
 import torch

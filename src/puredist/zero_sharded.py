@@ -21,7 +21,6 @@ anything is updated, ``update_`` checks that every rank has the same plan and th
 parameter layout, and raises :class:`~puredist.RankMismatchError` on every rank if not.
 """
 
-
 from typing import Callable, NamedTuple, Sequence
 
 import torch

@@ -46,28 +46,28 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict
         [r[a]["step_seconds"] for r in results.values() for a in r], [r[a]["step_bytes"] for r in results.values() for a in r]
     )
     target = next(iter(runs.values()))["eval_loss"]
-    budgets = {}
-    for link in network.LINKS:
-        if compute_s is not None:  # the shortest whole run on this link: every run's measurements cover it
-            budgets[link.name] = min(
-                network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size)
-                for run in runs.values()
-            )
+    known = compute_s is not None
+    budgets = {  # the shortest whole run on each link: every run's measurements cover it
+        link.name: min(
+            network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size)
+            for run in runs.values()
+        )
+        for link in network.LINKS if known
+    }
     for run in runs.values():
         curve = [(step, loss) for step, _, loss, _ in run["evaluations"]]
         reached = network.steps_to_reach(curve, target)
         run["steps_to_target"] = reached
-        run["projected_s"], run["projected_loss_within_budget"] = {}, {}
-        for link in network.LINKS:
-            known = compute_s is not None
-            run["projected_s"][link.name] = (
-                network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size)
-                if known and reached is not None else None
-            )
-            run["projected_loss_within_budget"][link.name] = (
-                network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name])
-                if known else None
-            )
+        run["projected_s"] = {
+            link.name: network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size)
+            if known and reached is not None else None
+            for link in network.LINKS
+        }
+        run["projected_loss_within_budget"] = {
+            link.name: network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name])
+            if known else None
+            for link in network.LINKS
+        }
     return {
         "task": task,
         "title": title,
