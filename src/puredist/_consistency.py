@@ -48,7 +48,6 @@ def _describe(rank: int, summary: list[int], context: str) -> str:
 def check_same_tensors_on_all_ranks(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
-    device: torch.device,
     *,
     context: object = "",
     what: str = "one averaging all-reduce",
@@ -60,8 +59,8 @@ def check_same_tensors_on_all_ranks(
 
     Args:
         tensors: this rank's tensors.
-        group: the process group about to use them (this rank is a member).
-        device: where the backend wants the summary tensor (CPU for Gloo).
+        group: a group of the ranks about to use them, with a CPU backend (this rank
+            is a member): the summaries are host tensors.
         context: more that must agree (the schedule's configuration and step, a ZeRO
             plan's digest): a string, or an object whose ``str()`` is one (built only
             here, so callers under ``torch.compile`` need not format it).
@@ -71,7 +70,7 @@ def check_same_tensors_on_all_ranks(
         RankMismatchError: on every rank, listing each rank's summary.
     """
     context = str(context)
-    local = _signature(tensors, context).to(device)
+    local = _signature(tensors, context)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     summaries = [t.tolist() for t in gathered]

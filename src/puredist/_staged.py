@@ -30,11 +30,12 @@ _ALIGN = 64  # bytes: every buffer in the pool starts on a cache line (and any d
 Launch = Callable[[torch.Tensor], object]
 """Starts the asynchronous collective on a staging buffer; returns its ``Work``."""
 
-Scales = Callable[[torch.dtype], "tuple[int | None, int | None]"]
-"""``dtype -> (before, after)``: the divisions around a bucket's collective."""
+Scales = Callable[[torch.Tensor], "tuple[int | None, int | None]"]
+"""``staging buffer -> (before, after)``: the divisions around a bucket's collective
+(they depend on its dtype and device)."""
 
 
-def no_scaling(dtype: torch.dtype) -> tuple[None, None]:
+def no_scaling(buffer: torch.Tensor) -> tuple[None, None]:
     """:data:`Scales` of a collective that does not divide (a broadcast)."""
     return None, None
 
@@ -112,7 +113,7 @@ class _Bucket:
         launch: starts the collective on the buffer.
         pack: copy the tensors' values into the buffer first (a broadcast receiver
             does not: the collective only writes it).
-        scales: ``scales(dtype) -> (before, after)``: divide the buffer by ``before``
+        scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
             ahead of the collective and by ``after`` once it is done (``None``: no).
         write_back: copy the result into the tensors (a broadcast source does not).
         release: called with the staging buffer once it is written back (not after a
@@ -123,7 +124,7 @@ class _Bucket:
         self.position = position
         self.bucket = bucket
         self._targets = [_piece_of(tensors[p.index], p) for p in bucket.pieces]
-        scale_before, self._scale_after = scales(self._targets[0].dtype)
+        scale_before, self._scale_after = scales(self._targets[0])
         self._write_back = write_back
         self._release = release
         self._staging = None

@@ -25,10 +25,11 @@ over the whole group; a smaller ``g`` averages within each block of ``g``
 consecutive ranks.
 
 The mean is a sum and one division by the group size ``n``, in the tensor's dtype.
-For dtypes whose range is narrower than fp32's (fp16) each value is divided *before*
-the sum, so the mean never overflows when it is representable (fp16 40000 and 30000
-average to 35008, not inf), as torch's ``average_parameters`` does; other dtypes are
-divided after the sum (over NCCL, its native ``AVG``).
+For dtypes whose range is narrower than fp32's (fp16; bf16, whose largest value is
+just below fp32's) each value is divided *before* the sum, so the mean never overflows
+when it is representable (fp16 40000 and 30000 average to 35008, not inf), as torch's
+``average_parameters`` does; other dtypes are divided after the sum (by NCCL, its
+native ``AVG``).
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ class DistributedCollective:
             it, so that the copy into one bucket overlaps the all-reduce of the
             previous one.
         check_consistency: verify, with one small all-gather per averaging, that
-            every rank passes the same tensors (raises instead of hanging).
+            every rank passes the same tensors (raises instead of hanging). The
+            all-gather is of host tensors: over the group itself when it has a CPU
+            backend, else (NCCL) over a Gloo group of the same ranks, created here.
 
     Raises:
         ValueError: ``bucket_cap_bytes < 1``; no process group was initialized.
@@ -204,6 +207,9 @@ class DistributedCollective:
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
         self._pool = StagingPool(bucket_cap_bytes)
+        if self._is_member and check_consistency:
+            for group in self._groups.values():  # here, where every rank is: a Gloo twin of an NCCL group
+                _host_group(group)
 
     @classmethod
     def with_subgroups(
@@ -312,18 +318,24 @@ class DistributedCollective:
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
+        return self._average_over(group, list(tensors), reduced, async_op=async_op, context=context)
+
+    def _average_over(
+        self, group: dist.ProcessGroup, given: list[torch.Tensor], reduced: list[torch.Tensor], *, async_op: bool, context: str
+    ) -> CollectiveHandle | None:
+        """:meth:`mean_` over ``group`` once the arguments are checked (``given`` as
+        passed, ``reduced`` their checked local tensors), at any group size."""
         size = dist.get_world_size(group)
         # the tensors as passed: a DTensor's sharding is part of the check
-        self._check_same(list(tensors), group, context=context, what="one averaging all-reduce")
-        native_average = dist.get_backend(group) == "nccl"
+        self._check_same(given, group, context=context, what="one averaging all-reduce")
 
-        def scales(dtype: torch.dtype) -> tuple[int | None, int | None]:
-            if divides_first(dtype):
+        def scales(buffer: torch.Tensor) -> tuple[int | None, int | None]:
+            if divides_first(buffer.dtype):
                 return size, None
-            return None, (None if native_average else size)
+            return None, (None if _averages_natively(group, buffer.device) else size)
 
         def launch(buffer: torch.Tensor):
-            average = native_average and not divides_first(buffer.dtype)
+            average = _averages_natively(group, buffer.device) and not divides_first(buffer.dtype)
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
@@ -359,7 +371,7 @@ class DistributedCollective:
         if not self.check_consistency:
             return
         try:
-            check_same_tensors_on_all_ranks(tensors, group, _summary_device(group), context=context, what=what)
+            check_same_tensors_on_all_ranks(tensors, _host_group(group), context=context, what=what)
         except RankMismatchError:
             raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
@@ -376,11 +388,9 @@ class DistributedCollective:
             return
         group = self.process_group
         self._check_same(list(tensors), group, context=context, what=what)
-        digests = torch.tensor(
-            [_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=_summary_device(group)
-        )
+        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64)
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
-        dist.all_gather(gathered, digests, group=group)
+        dist.all_gather(gathered, digests, group=_host_group(group))
         rows = [g.tolist() for g in gathered]
         differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
         if differing:
@@ -467,10 +477,34 @@ def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
     return _SUBGROUPS[key][1]
 
 
-def _summary_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _averages_natively(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the backend that reduces ``device``'s tensors in ``group`` has a native
+    ``ReduceOp.AVG`` (NCCL). A group of several backends (``"cpu:gloo,cuda:nccl"``,
+    torch's default) reduces each device's tensors with its own."""
+    backend = dist.get_backend(group)
+    by_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {device.type: backend}
+    return by_device.get(device.type) == "nccl"
+
+
+_HOST_GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the rank check exchanges its summaries over, as CPU tensors: ``group``
+    itself when it has a CPU backend (Gloo, MPI, ``"cpu:gloo,cuda:nccl"``); for a
+    device-only group (NCCL), a Gloo group of the same ranks, created by its members
+    the first time (every member is in the same rank check then) and reused. So the
+    check is a host-to-host exchange: it never waits for the GPU's queue to drain,
+    and no device memory is read back."""
+    backend = dist.get_backend(group)
+    if "gloo" in backend or backend == "mpi":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    world, host = _HOST_GROUPS.get(ranks, (None, None))
+    if world is not dist.group.WORLD:  # one per set of ranks and world, as for the mesh groups
+        host = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[ranks] = (dist.group.WORLD, host)
+    return host
 
 
 class ReplicaGroups:

@@ -57,12 +57,38 @@ import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
-from puredist._dtensors import like, local_shard
+from puredist._dtensors import is_dtensor, like, local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
 from puredist.optim import Optimizer, _clone_state
 from puredist.schedules import hierarchical_schedule
+
+
+def _pinned_if_host_of_gpu(copy: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``copy`` in page-locked memory when it is a host copy of a GPU tensor (copies
+    between the two then run without blocking the host)."""
+    if copy.device.type == "cpu" and leaf.device.type == "cuda" and not is_dtensor(leaf):
+        return copy.pin_memory()
+    return copy
+
+
+def _fetched(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on the devices and in the dtypes of ``targets``. GPU tensors bound
+    for the host are copied into page-locked memory without blocking, then one wait
+    for the stream covers them all: the host's one wait of a synchronization with a
+    host global copy (it is about to compute with the values)."""
+    staged, streams = [], set()
+    for tensor, target in zip(tensors, targets):
+        if target.device.type == "cpu" and tensor.device.type == "cuda" and not is_dtensor(tensor):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            staged.append(host.copy_(tensor, non_blocking=True))
+            streams.add(torch.cuda.current_stream(tensor.device))
+        else:
+            staged.append(tensor)
+    for stream in streams:
+        stream.synchronize()
+    return [t.to(device=g.device, dtype=g.dtype) for t, g in zip(staged, targets)]
 
 
 class InFlight(NamedTuple):
@@ -223,9 +249,12 @@ def outer_optimizer(
         leaves, _ = _float_leaves(params, in_place=True)
         layout(leaves)
         global_params = tuple(
-            leaf.detach().to(
-                device=global_device if global_device is not None else leaf.device, dtype=global_dtype or leaf.dtype,
-                copy=True,
+            _pinned_if_host_of_gpu(
+                leaf.detach().to(
+                    device=global_device if global_device is not None else leaf.device,
+                    dtype=global_dtype or leaf.dtype, copy=True,
+                ),
+                leaf,
             )
             for leaf in leaves
         )
@@ -247,7 +276,9 @@ def outer_optimizer(
         and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
             pseudo = tuple(  # in the global copy's dtype (an fp32 master's difference is fp32), sent in comm_dtype
-                (state.global_params[i].to(leaves[i].device) - leaves[i].detach().to(state.global_params[i].dtype)).to(
+                # (a pinned host copy goes up without blocking: the host writes it only after its next wait)
+                (state.global_params[i].to(leaves[i].device, non_blocking=True)
+                 - leaves[i].detach().to(state.global_params[i].dtype)).to(
                     comm_dtype or state.global_params[i].dtype
                 )
                 for i in indices
@@ -268,7 +299,7 @@ def outer_optimizer(
 
     def apply(leaves, global_params: list, outer_state: list, item: InFlight, indices) -> None:
         targets = [global_params[i] for i in indices]
-        grads = [p.to(device=g.device, dtype=g.dtype) for p, g in zip(item.pseudo_grads, targets)]
+        grads = _fetched(item.pseudo_grads, targets)
         with torch.no_grad():
             if item.apply_step - delay == warmup_steps + offsets[item.fragment]:
                 # the fragment's first synchronization only establishes the synchronized
@@ -281,10 +312,12 @@ def outer_optimizer(
                     outer_state[i] = stepped[k]
             for k, i in enumerate(indices):
                 local = leaves[i].detach()
+                # from a pinned host copy without blocking: the host writes it again only after
+                # the wait in _fetched of a later synchronization, which orders after this copy
                 if item.snapshot:  # keep the local progress made while the all-reduce ran
-                    local.sub_(item.snapshot[k].to(local.device)).add_(targets[k].to(local.device, local.dtype))
+                    local.sub_(item.snapshot[k].to(local.device)).add_(targets[k].to(local.device, local.dtype, non_blocking=True))
                 else:
-                    local.copy_(targets[k])
+                    local.copy_(targets[k], non_blocking=True)
 
     def update_(params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
         """In place (see :class:`OuterTransform`). Raises before applying anything if a
@@ -383,7 +416,9 @@ def outer_optimizer(
         fragment_leaves = layout(state.global_params)
         check_saved(state, saved, fragment_leaves, rank)
         global_params = tuple(
-            saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True) for i, g in enumerate(state.global_params)
+            saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True).pin_memory() if g.is_pinned()
+            else saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True)
+            for i, g in enumerate(state.global_params)
         )
         def restored(i: int, field: str, template: torch.Tensor | None) -> torch.Tensor | None:
             if not saved[f"outer.{i}.{field}.present"]:
