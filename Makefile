@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test demo bench install upstream docs
+.PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# The CUDA tests, on a machine with a GPU (skipped without one). `make test-gpu PY=python3`
+# uses that machine's own torch instead of the venv (puredist then comes from src/).
+NEEDS_VENV = $(if $(filter $(PY),$(VENV)/bin/python),install)
+test-gpu: $(NEEDS_VENV)
+	PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -m cuda tests/test_cuda.py
 
 # torch's own tests for the seeds, run against puredist.classic (slow; not in `make test`)
 upstream: install
@@ -36,3 +42,17 @@ bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 bench_sharded.py
 	$(PY) benchmarks/plan_balance.py
 	$(PY) benchmarks/bench_vmap_compile.py
+
+# What a GPU machine checks: the CUDA tests, then the benchmarks on the GPU.
+gpu-check: test-gpu bench-gpu
+
+# The benchmarks on GPU 0: two ranks over Gloo (both on the one GPU), then one NCCL rank.
+# `make bench-gpu PY=python3` uses that machine's own torch (puredist from src/).
+RUN_GPU = cd benchmarks && PYTHONPATH=../src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY)) -m torch.distributed.run --standalone
+bench-gpu: $(NEEDS_VENV)
+	$(RUN_GPU) --nproc-per-node 2 bench_averaging.py --device cuda
+	$(RUN_GPU) --nproc-per-node 1 bench_averaging.py --device cuda --backend nccl
+	$(RUN_GPU) --nproc-per-node 2 bench_zero.py --device cuda
+	$(RUN_GPU) --nproc-per-node 1 bench_zero.py --device cuda --backend nccl
+	$(RUN_GPU) --nproc-per-node 2 bench_outer.py --device cuda
+	$(RUN_GPU) --nproc-per-node 1 bench_outer.py --device cuda --backend nccl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import statistics
@@ -13,16 +14,45 @@ import torch
 import torch.distributed as dist
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--backend``, for :func:`init_distributed`."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live (cuda: every rank on GPU LOCAL_RANK modulo the GPUs there are)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: the group is 'cpu:gloo,cuda:nccl' (host tensors, e.g. timings, go over Gloo)")
+
+
+def init_distributed(args: argparse.Namespace) -> torch.device:
+    """Join the process group torchrun describes, on ``args.device``; return the device."""
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.backend == "nccl" else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def _finish(device_work: bool) -> None:
+    if device_work:  # the GPU's queue, not just the launches
+        torch.cuda.synchronize()
+
+
 def interleaved_medians(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median wall time of each method over ``repeats`` rounds; each round runs every
     method once, in turn, so that drift of the machine's speed hits all alike. Ranks
-    are aligned by a barrier before each run, and the slowest rank's time counts."""
+    are aligned by a barrier before each run, and the slowest rank's time counts; with
+    CUDA, a run ends when the GPU has finished its work."""
     samples: dict[str, list[float]] = {name: [] for name in methods}
+    device_work = torch.cuda.is_initialized()
     for _ in range(repeats):
         for name, fn in methods.items():
+            _finish(device_work)
             dist.barrier()
             start = time.perf_counter()
             fn()
+            _finish(device_work)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             samples[name].append(elapsed.item())
@@ -67,6 +97,16 @@ def peak_extra_bytes(fn: Callable[[], object], interval_s: float = 1e-4) -> int:
         done.set()
         sampler.join()
     return max(peak, _resident_bytes()) - baseline
+
+
+def peak_extra_device_bytes(fn: Callable[[], object]) -> int:
+    """Peak GPU memory torch allocated during ``fn`` beyond what it held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - baseline
 
 
 def mib(nbytes: float) -> str:

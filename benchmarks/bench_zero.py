@@ -3,7 +3,8 @@ support) and RMSprop: time per iteration of DDP + the plain optimizer, torch's
 ZeroRedundancyOptimizer (not overlapped), puredist's not overlapped and overlapped
 with DDP (both hooks), each against DDP with the same optimizer in the same run;
 optimizer-state bytes per rank and collective payload per iteration. Run with ``make bench`` (or
-``python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_zero.py``).
+``python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_zero.py``);
+``--device cuda`` (``make bench-gpu``) on a GPU, over Gloo or ``--backend nccl``.
 
 torch's own overlap hooks refuse Gloo ("may meet hangs"), so they are not in the table.
 """
@@ -20,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _measure import interleaved_medians, mib
+from _measure import add_device_arguments, device_name, init_distributed, interleaved_medians, mib
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 
 
@@ -42,13 +43,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="6 layers of 2048^2: ~25M parameters")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
+    add_device_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = init_distributed(args)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(rank)
-    inputs = torch.randn(args.batch, args.width, generator=gen)
-    targets = torch.randn(args.batch, args.width, generator=gen)
+    inputs = torch.randn(args.batch, args.width, generator=gen).to(device)
+    targets = torch.randn(args.batch, args.width, generator=gen).to(device)
 
     def iteration(model, optimizer, overlapped):
         loss = nn.functional.mse_loss(model(inputs), targets)
@@ -58,7 +60,7 @@ def main() -> None:
         optimizer.zero_grad()
 
     def built(wrap=None, **zero_kwargs):
-        model = DDP(make_model(args.layers, args.width))
+        model = DDP(make_model(args.layers, args.width).to(device))
         if wrap is None:
             return model
         zero = ZeroRedundancyOptimizer(model.parameters(), zero_kwargs.pop("optimizer_class"), **zero_kwargs)
@@ -99,7 +101,8 @@ def main() -> None:
 
     if rank == 0:
         numel = sum(p.numel() for p in runs["DDP + Adam"][0].parameters())
-        print(f"\n{numel / 1e6:.1f}M parameters ({mib(param_bytes)}), batch {args.batch}, world size {world_size}")
+        print(f"\n{numel / 1e6:.1f}M parameters ({mib(param_bytes)}), batch {args.batch}, world size {world_size}, "
+              f"on {device_name(device)}, backend {dist.get_backend()}")
         print(f"  {'method':34s} {'iteration':>10s} {'vs DDP':>7s} {'state/rank (max)':>18s} {'vs full':>8s} {'payload':>13s}")
         for name, (_, _, _, baseline) in runs.items():
             print(f"  {name:34s} {times[name] * 1e3:8.1f}ms {times[name] / times[baseline]:6.2f}x "

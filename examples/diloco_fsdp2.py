@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=16, help="H: inner steps between outer steps")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--checkpoint", default=None, help="folder for a DCP checkpoint at the end")
+    parser.add_argument("--global-device", default=None, choices=["cpu"],
+                        help="keep the global copy and outer momentum in host memory (default: with the parameters)")
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     world_size = dist.get_world_size()
@@ -63,7 +65,7 @@ def main() -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     diloco = puredist.outer_optimizer(
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=args.sync_every, warmup_steps=args.sync_every,
-        comm_dtype=torch.bfloat16, global_dtype=torch.float32,
+        comm_dtype=torch.bfloat16, global_dtype=torch.float32, global_device=args.global_device,
     )
     collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
     state = diloco.init(params)

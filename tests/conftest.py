@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.cuda.is_available() through NVML: it does not initialize CUDA in this process,
+# whose forked workers could then not use the GPU
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

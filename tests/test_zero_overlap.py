@@ -32,13 +32,13 @@ def make_net(seed=0):
     return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def batch(rank, step, accumulation=0):
+def batch(rank, step, accumulation=0, device="cpu"):
     gen = torch.Generator().manual_seed(1000 * rank + 10 * step + accumulation)
-    return torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+    return torch.randn(16, 8, generator=gen).to(device), torch.randn(16, 4, generator=gen).to(device)
 
 
-def loss_of(model, rank, step, accumulation=0):
-    x, y = batch(rank, step, accumulation)
+def loss_of(model, rank, step, accumulation=0, device="cpu"):
+    x, y = batch(rank, step, accumulation, device)
     return nn.functional.mse_loss(model(x), y)
 
 
@@ -46,12 +46,12 @@ def ddp(module, static_graph, bucket_view):
     return DDP(module, bucket_cap_mb=1024 / 2**20, static_graph=static_graph, gradient_as_bucket_view=bucket_view)
 
 
-def _parity(rank, world_size, combos, accumulate):
+def _parity(rank, world_size, combos, accumulate, device="cpu"):
     for hook_name, shard, static_graph, bucket_view, opt_name in combos:
         optimizer_class, kwargs = OPTIMIZERS[opt_name]
-        reference = ddp(make_net(), static_graph, bucket_view)
+        reference = ddp(make_net().to(device), static_graph, bucket_view)
         reference_opt = optimizer_class(reference.parameters(), **kwargs)
-        model = ddp(make_net(), static_graph, bucket_view)
+        model = ddp(make_net().to(device), static_graph, bucket_view)
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, overlap_with_ddp=True, **kwargs)
         model.register_comm_hook(None, HOOKS[hook_name](allreduce_hook, model, zero, shard_buckets=shard))
         initial = [p.detach().clone() for p in model.parameters()]
@@ -59,8 +59,8 @@ def _parity(rank, world_size, combos, accumulate):
             for net in (reference, model):
                 for micro in range(accumulate):
                     with net.no_sync():
-                        loss_of(net, rank, step, micro + 1).backward()
-                loss_of(net, rank, step).backward()
+                        loss_of(net, rank, step, micro + 1, device).backward()
+                loss_of(net, rank, step, device=device).backward()
             reference_opt.step()
             reference_opt.zero_grad()
             zero.zero_grad()
@@ -69,7 +69,7 @@ def _parity(rank, world_size, combos, accumulate):
         moved = min((a - b).abs().max().item() for a, b in zip(model.parameters(), initial))
         assert moved > 100 * ATOL, f"parameters barely moved ({moved})"  # the comparison is not vacuous
         assert zero._iteration == ITERATIONS  # every backward ended one ZeRO iteration
-    return [p.detach() for p in model.parameters()]
+    return [p.detach().cpu() for p in model.parameters()]
 
 
 ALL_COMBOS = list(itertools.product(HOOKS, [False, True], [False, True], [False, True], OPTIMIZERS))

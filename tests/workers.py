@@ -1,4 +1,4 @@
-"""Run a function on W local Gloo ranks, forked from the test process.
+"""Run a function on W local Gloo ranks (or one NCCL rank), forked from the test process.
 
 The parent forks one process per rank first, while it has no threads of its own (a
 fork taken while another thread holds a lock, e.g. the store server's, can leave the
@@ -7,7 +7,9 @@ and sends that port to every worker: the store owns the listening socket before 
 worker connects, so there is no free-port race. Each worker joins the Gloo group, runs ``fn(rank, world_size, *args)``, meets the
 others at a final barrier, and sends back its pickled result or traceback. Every job
 has a deadline: a hang becomes a ``TimeoutError`` naming the silent ranks (Gloo's own
-timeout is shorter, so a stuck collective raises a traceback first).
+timeout is shorter, so a stuck collective raises a traceback first). The parent must
+never initialize CUDA (a forked child could not use it): CUDA tests touch the GPU in
+the workers only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class WorkerError(AssertionError):
     """At least one rank raised; the message holds every failing rank's traceback."""
 
 
-def _worker(rank, world_size, fn, args, conn, gloo_timeout, final_barrier):
+def _worker(rank, world_size, fn, args, conn, gloo_timeout, final_barrier, backend):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -40,8 +42,10 @@ def _worker(rank, world_size, fn, args, conn, gloo_timeout, final_barrier):
             raise TimeoutError("the parent sent no rendezvous port")
         port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        if "nccl" in backend:  # one GPU: NCCL takes one rank per device
+            torch.cuda.set_device(0)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=gloo_timeout)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=gloo_timeout)
         )
         result = fn(rank, world_size, *args)
         if final_barrier:
@@ -66,8 +70,11 @@ def run_workers(
     victims: tuple[int, ...] = (),
     gloo_timeout: float = GLOO_TIMEOUT_S,
     broken: bool = False,
+    backend: str = "gloo",
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend``
+    (Gloo; with NCCL, e.g. ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, every rank is on
+    GPU 0, so it takes ``world_size == 1``).
 
     Args:
         timeout: the job's deadline.
@@ -93,7 +100,7 @@ def run_workers(
         parent_end, child_end = ctx.Pipe(duplex=True)
         process = ctx.Process(
             target=_worker,
-            args=(rank, world_size, fn, args, child_end, gloo_timeout, not (victims or broken)),
+            args=(rank, world_size, fn, args, child_end, gloo_timeout, not (victims or broken), backend),
             daemon=True,
         )
         process.start()
