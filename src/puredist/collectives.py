@@ -166,6 +166,13 @@ class _AllReduceMean(torch.autograd.Function):
         )
 
 
+def _runs_eagerly(method):
+    """Keep ``torch.compile`` out of a method that talks to other ranks: it runs as
+    written, between the compiled graphs (dynamo tracing through its staging buffers,
+    rank check and backend calls broke it into pieces that averaged the wrong values)."""
+    return torch.compiler.disable(method, recursive=True)
+
+
 class DistributedCollective:
     """Mean over real ranks of a ``torch.distributed`` process group.
 
@@ -282,6 +289,7 @@ class DistributedCollective:
             )
         return self._groups[size]
 
+    @_runs_eagerly
     def mean_(
         self,
         tensors: Sequence[torch.Tensor],
@@ -344,6 +352,7 @@ class DistributedCollective:
             what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
         )
 
+    @_runs_eagerly
     def mean(
         self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
     ) -> list[torch.Tensor]:
@@ -358,6 +367,7 @@ class DistributedCollective:
         checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
         return list(_AllReduceMean.apply(self, group_size, context, *tensors))
 
+    @_runs_eagerly
     def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
         unless all pass tensors of the same layouts and the same ``context`` (one
@@ -377,6 +387,7 @@ class DistributedCollective:
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
             raise nothing_changed([local_shard(t) for t in tensors], what, cause) from cause
 
+    @_runs_eagerly
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
         unless every rank holds bit-identical values in ``tensors``: after the usual
@@ -404,6 +415,7 @@ class DistributedCollective:
         """This process's rank within the whole group (-1 outside it)."""
         return dist.get_rank(self.process_group)
 
+    @_runs_eagerly
     def broadcast_(
         self, tensors: Sequence[torch.Tensor], *, src: int, async_op: bool = False
     ) -> CollectiveHandle | None:
