@@ -230,13 +230,13 @@ def test_an_optimizer_update_under_vmap_over_stacked_params_and_states_equals_th
     eager_states = [optimizer.init(p) for p in eager]
     one = optimizer.init(eager[0])  # the same fresh state, stacked (absent fields stay None)
     state = tuple(type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s)) for s in one)
+    axes = vmap_axes(state)  # the same at every step: no field changes from None to a tensor
     for _ in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in stacked.items()}
         for r in range(replicas):
             eager[r], eager_states[r] = optimizer.update(eager[r], {k: v[r] for k, v in grads.items()}, eager_states[r])
-        # SGD's buffers are None before the first step and tensors after; Adam's max_exp_avg_sq stays None
-        stacked, state = vmap(optimizer.update, in_dims=(0, 0, vmap_axes(state)),
-                              out_dims=(0, vmap_axes(eager_states[0])))(stacked, grads, state)
+        stacked, state = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))(stacked, grads, state)
+        assert vmap_axes(state) == axes
     for r in range(replicas):
         for k in stacked:
             # SGD's kernel is the same; Adam's differentiable form takes the step's powers in float32

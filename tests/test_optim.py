@@ -70,10 +70,11 @@ def test_pure_update_does_not_touch_its_inputs():
 def test_a_missing_gradient_leaves_parameter_and_state_alone():
     optimizer = puredist.sgd(lr=0.1, momentum=0.9)
     params = [torch.ones(2), torch.ones(3)]
-    state = optimizer.init(params)
-    state = optimizer.update_(params, [torch.ones(2), None], state)
-    assert torch.equal(params[1], torch.ones(3)) and state[1].momentum_buffer is None
-    assert state[0].momentum_buffer is not None and not torch.equal(params[0], torch.ones(2))
+    initial = optimizer.init(params)
+    state = optimizer.update_(params, [torch.ones(2), None], initial)
+    assert torch.equal(params[1], torch.ones(3)) and state[1] is initial[1]
+    assert torch.equal(state[1].momentum_buffer, torch.zeros(3))
+    assert not torch.equal(state[0].momentum_buffer, torch.zeros(2)) and not torch.equal(params[0], torch.ones(2))
 
 
 @pytest.mark.parametrize(

@@ -44,8 +44,10 @@ class SGDParamState(NamedTuple):
     """SGD state of one parameter.
 
     Attributes:
-        momentum_buffer: the momentum buffer, ``None`` until the first step (and
-            always ``None`` without momentum).
+        momentum_buffer: the momentum buffer: zeros from ``init`` (the first step then
+            makes it the gradient, as torch's first step does); ``None`` without
+            momentum; with dampening, ``None`` until the first step (torch's first
+            step takes the gradient undamped, which a zero buffer would damp).
     """
 
     momentum_buffer: torch.Tensor | None
@@ -213,7 +215,13 @@ def sgd(
             return list(states)
         return [SGDParamState(b) for b in buffers]
 
-    return _make_optimizer(lambda p: SGDParamState(None), step, differentiable)
+    def init_leaf(p: torch.Tensor) -> SGDParamState:
+        # a zero buffer steps exactly as torch's first step (buf = grad): 0 * momentum + 1 * grad
+        if momentum and not dampening:
+            return SGDParamState(torch.zeros_like(p, memory_format=torch.preserve_format))
+        return SGDParamState(None)
+
+    return _make_optimizer(init_leaf, step, differentiable)
 
 
 def _adam_family(

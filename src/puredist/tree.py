@@ -88,7 +88,7 @@ def clone_leaves(leaves: list[Any]) -> list[Any]:
 def vmap_axes(tree: PyTree, axis: int = 0) -> PyTree:
     """``tree``'s structure with ``axis`` for each tensor and ``None`` for each ``None``
     field: the ``in_dims``/``out_dims`` that ``torch.func.vmap`` needs for a state with
-    fields that may be absent (SGD's momentum buffer before the first step, Adam's
-    ``max_exp_avg_sq`` without amsgrad), e.g.
+    fields a configuration does not use (SGD's momentum buffer without momentum,
+    Adam's ``max_exp_avg_sq`` without amsgrad: ``None`` at every step), e.g.
     ``vmap(opt.update, in_dims=(0, 0, vmap_axes(state)), out_dims=(0, vmap_axes(state)))``."""
     return torch_pytree.tree_map(lambda leaf: None if leaf is None else axis, tree)
