@@ -120,6 +120,16 @@ def test_fused_kernels_match_torch_bitwise(torch_class, functional, kwargs):
                 assert torch.equal(value, their[field]) and value.device == their[field].device, field
 
 
+@pytest.mark.parametrize("functional", [puredist.sgd, puredist.adam, puredist.adamw])
+def test_a_fused_kernel_refuses_complex_parameters_before_stepping_any(functional):
+    optimizer = functional(lr=0.1, fused=True)
+    params = [torch.ones(4), torch.ones(3, dtype=torch.complex64)]
+    state = optimizer.init(params)
+    with pytest.raises(TypeError, match=r"``fused``.*parameter 1 is torch.complex64.*nothing was stepped"):
+        optimizer.update_(params, [torch.ones(4), torch.ones(3, dtype=torch.complex64)], state)
+    assert torch.equal(params[0], torch.ones(4)) and torch.equal(params[1], torch.ones(3, dtype=torch.complex64))
+
+
 @pytest.mark.parametrize("torch_class, functional", [(torch.optim.Adam, puredist.adam), (torch.optim.AdamW, puredist.adamw)])
 def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, functional):
     base, decay = 0.01, (lambda count: 0.5 ** count)

@@ -104,6 +104,18 @@ def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 
 
+def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
+    """Raise, naming the argument, before anything is stepped where torch's fused
+    kernel would raise its own ``NotImplementedError`` from inside the step: it has no
+    complex kernels."""
+    complex_ = [i for i, p in enumerate(params) if p.is_complex()]
+    if fused and complex_:
+        raise TypeError(
+            f"Arg ``fused`` of {name}: torch's fused kernel takes no complex parameters (parameter {complex_[0]} "
+            f"is {params[complex_[0]].dtype}); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+
+
 def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
@@ -199,6 +211,7 @@ def sgd(
         return buffer
 
     def step(params, grads, states, traced):
+        _check_fused_takes(params, fused and not traced, "sgd")
         buffers = [s.momentum_buffer for s in states]
         first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
         for k in first:
@@ -255,6 +268,7 @@ def _adam_family(
         )
 
     def step(params, grads, states, traced):
+        _check_fused_takes(params, fused and not traced, "adam/adamw")
         if not callable(lr):
             kernel(params, grads, states, traced, lr)
             return list(states)
