@@ -19,6 +19,12 @@ Every collective is issued by the calling thread, in an order fixed by the plan
 (owner by owner, in bucket order), so the same code is safe on Gloo and NCCL. Before
 anything is updated, ``update_`` checks that every rank has the same plan and the same
 parameter layout, and raises :class:`~puredist.RankMismatchError` on every rank if not.
+
+With a :class:`~puredist.SimulatedCollective` of ``R`` replicas, one process runs every
+rank at once, for property tests: every leaf is stacked ``[R, *shape]`` (row ``r`` is
+rank ``r``'s), ``init(params, plan=plan, rank=None)`` holds the state of every
+parameter (shaped like one row), and a step updates each parameter's row of its owner
+with that row's gradient, then copies it to every row (the owner's broadcast).
 """
 
 from typing import Callable, NamedTuple, Sequence
@@ -26,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
-from puredist.collectives import CollectiveHandle, DistributedCollective
+from puredist.collectives import CollectiveHandle, DistributedCollective, SimulatedCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.sharding import ZeroPlan
 
@@ -38,7 +44,8 @@ class ZeroState(NamedTuple):
         step: completed iterations.
         plan: the ownership plan (the same on every rank).
         owned: per-parameter optimizer states of the parameters this rank owns,
-            aligned with ``plan.owned_by(rank)``; nothing for the others.
+            aligned with ``plan.owned_by(rank)``; nothing for the others. Simulated
+            (``rank=None`` at ``init``): the states of every parameter, in leaf order.
     """
 
     step: int
@@ -69,6 +76,15 @@ def broadcast_from_owners_(
     return CollectiveHandle.merged(handles)
 
 
+def _check_stacked(leaves: Sequence[torch.Tensor], replicas: int, arg: str) -> None:
+    for position, leaf in enumerate(leaves):
+        if leaf.dim() == 0 or leaf.shape[0] != replicas:
+            raise ValueError(
+                f"Arg ``{arg}``: leaf {position} has shape {tuple(leaf.shape)}; simulated, every leaf is stacked "
+                f"[{replicas}, *shape] (one row per rank)."
+            )
+
+
 def zero(optimizer: Optimizer) -> Zero:
     """Shard ``optimizer``'s state over ranks (ZeRO stage 1).
 
@@ -79,31 +95,46 @@ def zero(optimizer: Optimizer) -> Zero:
         A :class:`Zero`.
     """
 
-    def init(params: PyTree, *, plan: ZeroPlan, rank: int) -> ZeroState:
-        """The state of ``rank``: optimizer state for the parameters ``plan`` gives it."""
+    def init(params: PyTree, *, plan: ZeroPlan, rank: int | None) -> ZeroState:
+        """The state of ``rank``: optimizer state for the parameters ``plan`` gives it;
+        ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
+        (``params`` stacked ``[plan.world_size, *shape]``)."""
         leaves, _ = tree_flatten(params)
         if len(plan.owners) != len(leaves):
             raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
+        if rank is None:
+            _check_stacked(leaves, plan.world_size, "params")
+            return ZeroState(step=0, plan=plan, owned=optimizer.init([leaf[0] for leaf in leaves]))
         if not 0 <= rank < plan.world_size:
-            raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}), got {rank}.")
+            raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}) (or None, simulated), got {rank}.")
         owned = optimizer.init([leaves[i] for i in plan.owned_by(rank)])
         return ZeroState(step=0, plan=plan, owned=owned)
 
-    def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
-        owned_indices = state.plan.owned_by(rank)
-        position = {index: k for k, index in enumerate(owned_indices)}
-        mine = [i for i in indices if state.plan.owners[i] == rank]
-        new = optimizer.update_(
-            [leaves[i] for i in mine],
-            [grad_leaves[i] for i in mine],
-            tuple(state.owned[position[i]] for i in mine),
-        )
+    def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int | None) -> ZeroState:
+        """Step the parameters at ``indices`` that ``rank`` owns (``None``, simulated:
+        every parameter, its owner's row)."""
+        plan = state.plan
+        if rank is None:
+            mine, position = list(indices), {i: i for i in indices}
+            params = [leaves[i][plan.owners[i]] for i in mine]  # views: the step writes the owner's row
+            grads = [None if grad_leaves[i] is None else grad_leaves[i][plan.owners[i]] for i in mine]
+        else:
+            position = {index: k for k, index in enumerate(plan.owned_by(rank))}
+            mine = [i for i in indices if plan.owners[i] == rank]
+            params, grads = [leaves[i] for i in mine], [grad_leaves[i] for i in mine]
+        new = optimizer.update_(params, grads, tuple(state.owned[position[i]] for i in mine))
         owned = list(state.owned)
         for i, s in zip(mine, new):
             owned[position[i]] = s
         return state._replace(owned=tuple(owned))
 
-    def _checked(params, grads, state: ZeroState, collective: DistributedCollective):
+    def _checked(params, grads, state: ZeroState, collective):
+        if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
+            raise TypeError(
+                f"Arg ``collective`` of a ZeRO step must be a DistributedCollective or a SimulatedCollective, got "
+                f"{type(collective).__name__}: each rank holds the optimizer state of other parameters, which no "
+                "vmapped function can batch."
+            )
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         if len(state.plan.owners) != len(leaves):
@@ -112,9 +143,23 @@ def zero(optimizer: Optimizer) -> Zero:
             raise ValueError(
                 f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
             )
+        if isinstance(collective, SimulatedCollective):
+            if len(state.owned) != len(leaves):
+                raise ValueError(
+                    f"Arg ``state`` holds {len(state.owned)} parameter states: a simulated step needs the state of every "
+                    f"parameter ({len(leaves)}), from init(..., rank=None)."
+                )
+            _check_stacked(leaves, collective.world_size, "params")
+            _check_stacked([g for g in grad_leaves if g is not None], collective.world_size, "grads")
         return leaves, spec, grad_leaves
 
-    def _step_and_broadcast(leaves, grad_leaves, state: ZeroState, indices, collective: DistributedCollective):
+    def _step_and_broadcast(leaves, grad_leaves, state: ZeroState, indices, collective):
+        if isinstance(collective, SimulatedCollective):
+            state = _step_owned(leaves, grad_leaves, state, indices, None)
+            with torch.no_grad():
+                for i in indices:  # the owner's broadcast: its row to every row
+                    leaves[i].copy_(leaves[i][state.plan.owners[i]].clone().expand_as(leaves[i]))
+            return state, CollectiveHandle()
         state = _step_owned(leaves, grad_leaves, state, indices, collective.rank)
         return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
 
@@ -127,9 +172,10 @@ def zero(optimizer: Optimizer) -> Zero:
     def update_(params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
         """One whole iteration in place, after the rank check; returns the state at step + 1."""
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
-        collective.check_same_on_all_ranks(
-            leaves, context=f"plan {state.plan.digest()} step {state.step}", what="one ZeRO step"
-        )
+        if isinstance(collective, DistributedCollective):
+            collective.check_same_on_all_ranks(
+                leaves, context=f"plan {state.plan.digest()} step {state.step}", what="one ZeRO step"
+            )
         state, handle = _step_and_broadcast(leaves, grad_leaves, state, range(len(leaves)), collective)
         handle.wait()
         return end_iteration(state)

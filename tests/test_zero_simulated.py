@@ -1,0 +1,85 @@
+"""The functional ZeRO step on the simulated backend: every rank at once in one
+process, against the unsharded optimizer on each parameter's owner (hypothesis over
+trees, replica counts and plans) and against the same step on real Gloo ranks."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import puredist
+from workers import run_workers
+
+OPTIMIZERS = {
+    "adam": lambda: puredist.adam(lr=0.01, weight_decay=0.1),
+    "sgd": lambda: puredist.sgd(lr=0.1, momentum=0.9, nesterov=True),
+}
+
+
+def stacked_tree(shapes, replicas, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(replicas, *shape, generator=gen) for shape in shapes]
+
+
+shapes = st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple), min_size=1, max_size=5)
+
+
+@given(shapes=shapes, replicas=st.integers(1, 4), seed=st.integers(0, 2**16), data=st.data(),
+       name=st.sampled_from(sorted(OPTIMIZERS)))
+def test_a_simulated_zero_step_is_the_owners_unsharded_step_copied_to_every_rank(shapes, replicas, seed, data, name):
+    owners = tuple(data.draw(st.lists(st.integers(0, replicas - 1), min_size=len(shapes), max_size=len(shapes))))
+    plan, optimizer = puredist.ZeroPlan(replicas, owners), OPTIMIZERS[name]()
+    sharded = puredist.zero(optimizer)
+    params = stacked_tree(shapes, replicas, seed)
+    state = sharded.init(params, plan=plan, rank=None)
+    # the oracle: each parameter alone, as its owner holds it, stepped by the plain optimizer
+    alone = [p[owner].clone() for p, owner in zip(params, owners)]
+    alone_states = [optimizer.init([a]) for a in alone]
+    collective = puredist.SimulatedCollective(replicas)
+    for step in range(3):
+        grads = stacked_tree(shapes, replicas, seed + 1 + step)  # each rank's own (ZeRO uses the owner's)
+        state = sharded.update_(params, grads, state, collective=collective)
+        for i, (p, owner) in enumerate(zip(params, owners)):
+            alone_states[i] = optimizer.update_([alone[i]], [grads[i][owner]], alone_states[i])
+            assert torch.equal(p, alone[i].expand_as(p)), f"step {step} leaf {i}"
+    assert state.step == 3
+
+
+def _on_real_ranks(rank, world_size, shapes, owners):
+    sharded = puredist.zero(OPTIMIZERS["adam"]())
+    plan = puredist.ZeroPlan(world_size, owners)
+    params = [p[rank].clone() for p in stacked_tree(shapes, world_size, 0)]
+    state = sharded.init(params, plan=plan, rank=rank)
+    for step in range(3):
+        grads = [g[rank] for g in stacked_tree(shapes, world_size, 1 + step)]
+        state = sharded.update_(params, grads, state, collective=puredist.DistributedCollective())
+    return params
+
+
+def test_the_simulated_step_equals_real_ranks_bit_for_bit():
+    shapes, owners, replicas = [(3, 2), (5,), (), (4, 1)], (2, 0, 1, 2), 3
+    real = run_workers(_on_real_ranks, replicas, shapes, owners)
+    sharded = puredist.zero(OPTIMIZERS["adam"]())
+    params = stacked_tree(shapes, replicas, 0)
+    state = sharded.init(params, plan=puredist.ZeroPlan(replicas, owners), rank=None)
+    for step in range(3):
+        state = sharded.update_(params, stacked_tree(shapes, replicas, 1 + step), state,
+                                collective=puredist.SimulatedCollective(replicas))
+    for rank in range(replicas):
+        assert all(torch.equal(p[rank], r) for p, r in zip(params, real[rank]))
+
+
+def test_a_simulated_step_refuses_what_it_cannot_run_before_stepping_anything():
+    sharded, plan = puredist.zero(puredist.sgd(lr=0.1)), puredist.ZeroPlan(2, (0, 1))
+    params = stacked_tree([(3,), (2,)], 2, 0)
+    before = [p.clone() for p in params]
+    with pytest.raises(TypeError, match="``collective``.*VmapCollective"):
+        sharded.update_(params, params, sharded.init(params, plan=plan, rank=None), collective=puredist.VmapCollective(2))
+    with pytest.raises(ValueError, match="needs the state of every parameter.*rank=None"):
+        sharded.update_(params, params, sharded.init(params, plan=plan, rank=0), collective=puredist.SimulatedCollective(2))
+    with pytest.raises(ValueError, match=r"``grads``: leaf 1 has shape \(3,\)"):
+        sharded.update_(params, [params[0], torch.ones(3)], sharded.init(params, plan=plan, rank=None),
+                        collective=puredist.SimulatedCollective(2))
+    with pytest.raises(ValueError, match=r"``params``: leaf 0 has shape \(3,\)"):
+        sharded.init([torch.ones(3), torch.ones(2, 2)], plan=plan, rank=None)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
