@@ -130,15 +130,18 @@ def test_a_fused_kernel_refuses_complex_parameters_before_stepping_any(functiona
     assert torch.equal(params[0], torch.ones(4)) and torch.equal(params[1], torch.ones(3, dtype=torch.complex64))
 
 
-@pytest.mark.parametrize("torch_class, functional", [(torch.optim.Adam, puredist.adam), (torch.optim.AdamW, puredist.adamw)])
-def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, functional):
+@pytest.mark.parametrize("torch_class, functional, kwargs", [
+    (torch.optim.Adam, puredist.adam, {}), (torch.optim.AdamW, puredist.adamw, {}),
+    (torch.optim.SGD, puredist.sgd, dict(momentum=0.9, nesterov=True)), (torch.optim.SGD, puredist.sgd, dict(fused=True)),
+], ids=["adam", "adamw", "sgd_nesterov", "sgd_fused"])
+def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, functional, kwargs):
     base, decay = 0.01, (lambda count: 0.5 ** count)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(50, generator=gen), torch.randn(3, generator=gen)]
     reference = [p.clone().requires_grad_() for p in params]
-    torch_optimizer = torch_class(reference, lr=base)
+    torch_optimizer = torch_class(reference, lr=base, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch_optimizer, decay)
-    optimizer, constant = functional(lr=lambda count: base * decay(count)), functional(lr=base)
+    optimizer, constant = functional(lr=lambda count: base * decay(count), **kwargs), functional(lr=base, **kwargs)
     unscheduled = [p.clone() for p in params]
     state, constant_state = optimizer.init(params), constant.init(unscheduled)
     for _ in range(4):
@@ -153,9 +156,14 @@ def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, f
     assert not torch.equal(params[0], unscheduled[0])  # the schedule mattered: a constant rate ends elsewhere
 
 
-def test_sgd_refuses_a_schedule_and_says_why():
-    with pytest.raises(TypeError, match="``lr`` of sgd must be a number.*no step count"):
-        puredist.sgd(lr=lambda count: 0.1)
+def test_a_parameter_skipped_by_a_scheduled_sgd_keeps_its_own_count():
+    optimizer = puredist.sgd(lr=lambda count: 0.5 ** (count + 1))  # 0.5, 0.25, ...: every step exact
+    params = [torch.ones(2), torch.ones(3)]
+    state = optimizer.init(params)
+    state = optimizer.update_(params, [torch.ones(2), None], state)  # the second has no gradient yet
+    state = optimizer.update_(params, [torch.ones(2), torch.ones(3)], state)
+    assert torch.equal(params[0], torch.full((2,), 1 - 0.5 - 0.25)) and torch.equal(params[1], torch.full((3,), 0.5))
+    assert [s.step.item() for s in state] == [2.0, 1.0]
 
 
 def test_a_schedule_under_a_transform_says_why_it_cannot_run():

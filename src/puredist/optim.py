@@ -15,10 +15,11 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-tuple of states: that is how ZeRO steps only the
 parameters a rank owns.
 
-``adam``/``adamw`` take a learning-rate schedule, as optax does: ``lr`` a callable of
-the step count (the updates this parameter has had, from 0), read on the host each
-update; at update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
-``lambda k: lr(k) / base_lr``). SGD's state holds no count to schedule by.
+Each takes a learning-rate schedule, as optax does: ``lr`` a callable of the step
+count (the updates this parameter has had, from 0), read on the host each update; at
+update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
+``lambda k: lr(k) / base_lr``). Adam's state counts its steps anyway; SGD's state
+holds a count (``step``) only with a schedule.
 
 Each constructor also takes ``differentiable`` (default False): with True, ``update``
 records its step for autograd (differentiate through it, as under ``torch.func``
@@ -48,9 +49,12 @@ class SGDParamState(NamedTuple):
             makes it the gradient, as torch's first step does); ``None`` without
             momentum; with dampening, ``None`` until the first step (torch's first
             step takes the gradient undamped, which a zero buffer would damp).
+        step: with a learning-rate schedule, the updates taken (a 0-dim float32 CPU
+            tensor, as Adam's); else ``None``.
     """
 
     momentum_buffer: torch.Tensor | None
+    step: torch.Tensor | None = None
 
 
 class AdamParamState(NamedTuple):
@@ -102,6 +106,36 @@ def _check_nonnegative(name: str, value: float) -> None:
 def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
     if foreach and fused:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
+
+
+def _scheduled(
+    lr: float | Callable[[int], float], run: Callable[..., list[NamedTuple]], check: Callable[[list, bool], None]
+) -> _Step:
+    """The :data:`_Step` that calls ``check(params, traced)`` (before anything is
+    stepped), then ``run(params, grads, states, traced, rate)``: once at ``lr``, or with
+    a schedule once per group of parameters at the same count (a parameter skipped for
+    want of a gradient keeps its own), at ``lr(count)``."""
+
+    def step(params, grads, states, traced):
+        check(params, traced)
+        if not callable(lr):
+            return run(params, grads, states, traced, lr)
+        if traced:
+            raise NotImplementedError(
+                "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
+                "transform hides; under transforms pass a number (or the schedule's value, computed outside)."
+            )
+        counts = [int(s.step) for s in states]
+        new = list(states)
+        for count in sorted(set(counts)):
+            group = [k for k, c in enumerate(counts) if c == count]
+            stepped = run([params[k] for k in group], [grads[k] for k in group], [states[k] for k in group], traced,
+                          float(lr(count)))
+            for k, state in zip(group, stepped):
+                new[k] = state
+        return new
+
+    return step
 
 
 def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
@@ -184,57 +218,55 @@ def sgd(
     ``differentiable=True``: ``update`` records its step for autograd, as under
     ``torch.func`` transforms).
 
+    ``lr`` may be a schedule, ``lr(count) -> rate`` (see the module docstring).
+
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
             without momentum or with dampening; ``fused`` and ``foreach`` both True.
-        TypeError: a callable ``lr`` (a schedule: SGD's state has no step count).
     """
-    if callable(lr):
-        raise TypeError(
-            f"Arg ``lr`` of sgd must be a number, got the callable {lr!r}: SGD's state holds no step count to "
-            "schedule by (adam and adamw take schedules); compute the rate each step and build sgd with it."
-        )
-    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+    for name, value in (*(() if callable(lr) else (("lr", lr),)), ("momentum", momentum), ("weight_decay", weight_decay)):
         _check_nonnegative(name, value)
     _check_kernel_choice(foreach, fused)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def first_traced_step(param, grad):
+    def first_traced_step(param, grad, rate):
         """torch's first momentum step (``buf = grad``) without its ``detach``, which would
         cut the gradient through the buffer; returns the buffer."""
         grad = -grad if maximize else grad
         if weight_decay:
             grad = grad.add(param, alpha=weight_decay)
         buffer = grad.clone()
-        param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-lr)
+        param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-rate)
         return buffer
 
-    def step(params, grads, states, traced):
-        _check_fused_takes(params, fused and not traced, "sgd")
+    def run(params, grads, states, traced, rate):
         buffers = [s.momentum_buffer for s in states]
         first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
         for k in first:
-            buffers[k] = first_traced_step(params[k], grads[k])
+            buffers[k] = first_traced_step(params[k], grads[k], rate)
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
         _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
                     foreach=False if traced else foreach, fused=False if traced else fused,
-                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                    weight_decay=weight_decay, momentum=momentum, lr=rate, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
             buffers[k] = buffer
-        if momentum == 0:
-            return list(states)
-        return [SGDParamState(b) for b in buffers]
+        for state in states:  # scheduled: one more update taken (in place, as Adam's kernel counts)
+            if state.step is not None:
+                state.step.add_(1)
+        return [SGDParamState(b if momentum else None, s.step) for b, s in zip(buffers, states)]
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
+        count = torch.zeros((), dtype=torch.float32) if callable(lr) else None
         # a zero buffer steps exactly as torch's first step (buf = grad): 0 * momentum + 1 * grad
         if momentum and not dampening:
-            return SGDParamState(torch.zeros_like(p, memory_format=torch.preserve_format))
-        return SGDParamState(None)
+            return SGDParamState(torch.zeros_like(p, memory_format=torch.preserve_format), count)
+        return SGDParamState(None, count)
 
-    return _make_optimizer(init_leaf, step, differentiable)
+    check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
+    return _make_optimizer(init_leaf, _scheduled(lr, run, check), differentiable)
 
 
 def _adam_family(
@@ -267,24 +299,12 @@ def _adam_family(
             weight_decay=weight_decay, eps=eps, maximize=maximize,
         )
 
-    def step(params, grads, states, traced):
-        _check_fused_takes(params, fused and not traced, "adam/adamw")
-        if not callable(lr):
-            kernel(params, grads, states, traced, lr)
-            return list(states)
-        if traced:
-            raise NotImplementedError(
-                "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
-                "transform hides; under transforms pass a number (or the schedule's value, computed outside)."
-            )
-        counts = [int(s.step) for s in states]  # a parameter skipped (no grad) has its own count
-        for count in sorted(set(counts)):
-            group = [k for k, c in enumerate(counts) if c == count]
-            kernel([params[k] for k in group], [grads[k] for k in group], [states[k] for k in group], traced,
-                   float(lr(count)))
+    def run(params, grads, states, traced, rate):
+        kernel(params, grads, states, traced, rate)  # counts the step in the states, in place
         return list(states)
 
-    return _make_optimizer(init_leaf, step, differentiable)
+    check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
+    return _make_optimizer(init_leaf, _scheduled(lr, run, check), differentiable)
 
 
 def adam(

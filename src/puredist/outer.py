@@ -421,7 +421,7 @@ def outer_optimizer(
             for i, g in enumerate(state.global_params)
         )
         def restored(i: int, field: str, template: torch.Tensor | None) -> torch.Tensor | None:
-            if not saved[f"outer.{i}.{field}.present"]:
+            if not saved.get(f"outer.{i}.{field}.present", False):  # (a field added since: absent, None)
                 return None
             device = template.device if template is not None else global_params[i].device
             return saved[f"outer.{i}.{field}"].to(device=device, copy=True)
