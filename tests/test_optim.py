@@ -173,5 +173,30 @@ def test_a_schedule_under_a_transform_says_why_it_cannot_run():
     stacked = tuple(type(s)(*(None if t is None else torch.stack([t] * 2) for t in s)) for s in state)
     from puredist.tree import vmap_axes
 
-    with pytest.raises(NotImplementedError, match="``lr`` is a schedule"):
+    with pytest.raises(NotImplementedError, match="``lr`` is a schedule.*map the counts with in_dims=None"):
         torch.func.vmap(optimizer.update, in_dims=(0, 0, vmap_axes(stacked)))([params], [torch.randn(2, 3)], stacked)
+
+
+@pytest.mark.parametrize("functional, kwargs, tolerance", [
+    (puredist.adamw, {}, 1e-6), (puredist.sgd, dict(momentum=0.9), 0.0),
+], ids=["adamw", "sgd"])
+def test_a_schedule_runs_under_vmap_with_the_counts_unmapped(functional, kwargs, tolerance):
+    from puredist.tree import vmap_axes
+
+    optimizer = functional(lr=lambda count: 0.05 * 0.5 ** count, **kwargs)
+    replicas, gen = 3, torch.Generator().manual_seed(0)
+    stacked = [torch.randn(replicas, 4, generator=gen)]
+    eager = [[stacked[0][r].clone()] for r in range(replicas)]
+    eager_states = [optimizer.init(p) for p in eager]
+    one = optimizer.init(eager[0])
+    state = tuple(s._replace(**{f: torch.stack([t] * replicas) for f, t in s._asdict().items()
+                                if t is not None and f != "step"}) for s in one)
+    axes = tuple(a._replace(step=None) for a in vmap_axes(state))  # one count for every replica
+    for _ in range(3):
+        grads = [torch.randn(replicas, 4, generator=gen)]
+        for r in range(replicas):
+            eager[r], eager_states[r] = optimizer.update(eager[r], [grads[0][r]], eager_states[r])
+        stacked, state = torch.func.vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))(stacked, grads, state)
+    assert state[0].step.item() == 3.0
+    for r in range(replicas):  # (Adam's differentiable kernel takes the step's powers in float32)
+        torch.testing.assert_close(stacked[0][r], eager[r][0], rtol=tolerance, atol=tolerance)

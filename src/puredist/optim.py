@@ -19,7 +19,9 @@ Each takes a learning-rate schedule, as optax does: ``lr`` a callable of the ste
 count (the updates this parameter has had, from 0), read on the host each update; at
 update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
 ``lambda k: lr(k) / base_lr``). Adam's state counts its steps anyway; SGD's state
-holds a count (``step``) only with a schedule.
+holds a count (``step``) only with a schedule. Under ``torch.func.vmap`` a schedule
+needs the counts unmapped (``in_dims=None`` for ``step``: every replica has taken the
+same steps).
 
 Each constructor also takes ``differentiable`` (default False): with True, ``update``
 records its step for autograd (differentiate through it, as under ``torch.func``
@@ -120,10 +122,12 @@ def _scheduled(
         check(params, traced)
         if not callable(lr):
             return run(params, grads, states, traced, lr)
-        if traced:
+        if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
             raise NotImplementedError(
                 "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
-                "transform hides; under transforms pass a number (or the schedule's value, computed outside)."
+                "transform hides when it maps the count. Every replica has taken the same steps: map the counts "
+                "with in_dims=None, e.g. axes = tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
+                "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
             )
         counts = [int(s.step) for s in states]
         new = list(states)
