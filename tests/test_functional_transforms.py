@@ -231,6 +231,7 @@ def test_an_optimizer_update_under_vmap_over_stacked_params_and_states_equals_th
     one = optimizer.init(eager[0])  # the same fresh state, stacked (absent fields stay None)
     state = tuple(type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s)) for s in one)
     axes = vmap_axes(state)  # the same at every step: no field changes from None to a tensor
+    assert vmap_axes((puredist.AveragerState(step=3), state[0])) == (puredist.AveragerState(step=None), axes[0])
     for _ in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in stacked.items()}
         for r in range(replicas):
