@@ -23,7 +23,7 @@ import torch.distributed as dist
 import puredist
 from faults import fault_at_collective
 from puredist._inputs import checked_for_reduction
-from puredist.collectives import _host_group
+from puredist._host_groups import host_group
 from test_failures import NUMEL, TENSORS, assert_old_or_mean_as_reported, values
 from test_zero_overlap import HOOKS, OPTIMIZERS, _parity
 from workers import run_workers
@@ -123,6 +123,13 @@ def test_an_async_averaging_on_the_gpu_averages_the_values_at_launch():
     run_workers(_async_average_reads_the_values_at_launch, 2)
 
 
+def gpu_busy() -> None:
+    """Queue ~20 ms of work on the current stream: a copy the host used before it was
+    done would read stale memory."""
+    if not DRY_RUN:
+        torch.cuda._sleep(40_000_000)
+
+
 def _drift(rank: int, step: int, shapes) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * rank + step)
     return [torch.randn(shape, generator=gen) for shape in shapes]
@@ -136,12 +143,13 @@ def _diloco_with_a_host_global_copy(rank, world_size, compressor):
     if compressor is not None:
         options.update(compressor=compressor)
     outer = puredist.sgd(lr=0.7, momentum=0.9, nesterov=True)
-    on_host, on_device = (puredist.outer_optimizer(outer, global_device=g, **options) for g in ("cpu", None))
+    on_host, on_device, on_gpu = (puredist.outer_optimizer(outer, global_device=g, **options) for g in ("cpu", None, DEVICE))
     collective = puredist.DistributedCollective()
     initial = _drift(-1, 0, SHAPES)
     runs = {  # name: (transform, params): the oracle is the whole run on the CPU
         "host copy": (on_host, [p.to(DEVICE, copy=True) for p in initial]),
         "on device": (on_device, [p.to(DEVICE, copy=True) for p in initial]),
+        "gpu copy of host params": (on_gpu, [p.clone() for p in initial]),
         "cpu": (on_device, [p.clone() for p in initial]),
     }
     states = {name: transform.init(params) for name, (transform, params) in runs.items()}
@@ -150,9 +158,12 @@ def _diloco_with_a_host_global_copy(rank, world_size, compressor):
         for name, (transform, params) in runs.items():
             for p, d in zip(params, _drift(rank, step, SHAPES)):
                 p.add_(d.to(p.device))
+            gpu_busy()
             states[name] = transform.update_(params, states[name], collective=collective)
         oracle = runs["cpu"][1]
-        for i, (host, device, cpu) in enumerate(zip(runs["host copy"][1], runs["on device"][1], oracle)):
+        for i, (host, device, gpu_copy, cpu) in enumerate(
+            zip(runs["host copy"][1], runs["on device"][1], runs["gpu copy of host params"][1], oracle)
+        ):
             if compressor is None or compressor.name.startswith("top"):
                 # the same elementwise arithmetic on either device (top-k moves values, and halves them exactly),
                 # the outer step on the host: bit for bit
@@ -161,6 +172,7 @@ def _diloco_with_a_host_global_copy(rank, world_size, compressor):
                 torch.testing.assert_close(host.cpu(), cpu, rtol=0, atol=0.1)
             if compressor is None:  # the outer step on the GPU (fused multiply-adds) rounds differently
                 torch.testing.assert_close(device.cpu(), cpu, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(gpu_copy, cpu, rtol=1e-5, atol=1e-5)
     assert not torch.equal(oracle[0], initial[0])
 
 
@@ -239,7 +251,7 @@ def _nccl_paths_without_host_sync(rank, world_size, backend):
     collective = puredist.DistributedCollective(bucket_cap_bytes=64 * 1024)
     group = collective.process_group
     assert dist.get_backend(group) == backend
-    assert "gloo" in dist.get_backend(_host_group(group))  # the rank check never touches the GPU
+    assert "gloo" in dist.get_backend(host_group(group))  # the rank check never touches the GPU
     launched = []
     all_reduce = dist.all_reduce
 
@@ -260,7 +272,7 @@ def _nccl_paths_without_host_sync(rank, world_size, backend):
     finally:
         dist.all_reduce = all_reduce
     assert all(torch.equal(t, b) for t, b in zip(tensors, before))  # the mean of one rank
-    public_syncs = _public_paths_synchronizations(rank, collective)
+    public_syncs = _public_paths_synchronizations(rank, world_size, collective)
     assert not syncs and not public_syncs, (syncs, public_syncs)
     native = dist.ReduceOp.SUM if DRY_RUN else dist.ReduceOp.AVG
     assert {(device, dtype): op for device, dtype, op in launched} == {
@@ -270,7 +282,7 @@ def _nccl_paths_without_host_sync(rank, world_size, backend):
     } | ({("cpu", torch.float32): dist.ReduceOp.SUM} if mixed_devices else {})
 
 
-def _public_paths_synchronizations(rank, collective) -> list[str]:
+def _public_paths_synchronizations(rank, world_size, collective) -> list[str]:
     """The host synchronizations of averaging, the averagers, DiLoCo, an optimizer and
     ZeRO, from the second step on (DiLoCo's first checks, once, that the initial
     parameters are replicated: it reads them back)."""
@@ -280,7 +292,7 @@ def _public_paths_synchronizations(rank, collective) -> list[str]:
     adam = puredist.adam(lr=0.01)
     sharded = puredist.zero(puredist.adamw(lr=0.01, fused=True))
     states = [averager.init(), diloco.init(params), adam.init(params),
-              sharded.init(params, plan=puredist.plan_zero([p.numel() for p in params], 1), rank=0)]
+              sharded.init(params, plan=puredist.plan_zero([p.numel() for p in params], world_size), rank=rank)]
     states[1] = diloco.update_(params, states[1], collective=collective)
     syncs = []
     for step in range(8):
@@ -303,6 +315,16 @@ def test_nccl_averages_with_its_native_mean_and_no_host_synchronization(backend)
     run_workers(_nccl_paths_without_host_sync, 1, backend, backend=backend)
 
 
+def _public_paths_over_gloo(rank, world_size):
+    return _public_paths_synchronizations(rank, world_size, puredist.DistributedCollective())
+
+
+def test_the_public_paths_on_cuda_tensors_over_gloo_make_no_host_synchronization_of_their_own():
+    # at two ranks the averagings, the rank checks and ZeRO's broadcasts run (Gloo's own threads may wait)
+    for syncs in run_workers(_public_paths_over_gloo, 2):
+        assert not syncs, syncs
+
+
 def _host_copy_waits_once_per_synchronization(rank, world_size):
     sync_every, warmup, delay, fragments = 4, 1, 1, 2
     transform = puredist.outer_optimizer(
@@ -321,6 +343,7 @@ def _host_copy_waits_once_per_synchronization(rank, world_size):
         for p, q, d in zip(params, oracle, _drift(rank, step, SHAPES)):
             p.add_(d.to(DEVICE))
             q.add_(d)
+        gpu_busy()
         with host_syncs() as syncs:
             state = transform.update_(params, state, collective=collective)
         oracle_state = transform.update_(oracle, oracle_state, collective=collective)

@@ -49,6 +49,7 @@ def check_same_tensors_on_all_ranks(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     *,
+    device: torch.device = torch.device("cpu"),
     context: object = "",
     what: str = "one averaging all-reduce",
 ) -> None:
@@ -59,8 +60,9 @@ def check_same_tensors_on_all_ranks(
 
     Args:
         tensors: this rank's tensors.
-        group: a group of the ranks about to use them, with a CPU backend (this rank
-            is a member): the summaries are host tensors.
+        group: a group of the ranks about to use them (this rank is a member).
+        device: where ``group`` gathers the summaries: the host where it has a CPU
+            backend (a device-only group's are read back from the device).
         context: more that must agree (the schedule's configuration and step, a ZeRO
             plan's digest): a string, or an object whose ``str()`` is one (built only
             here, so callers under ``torch.compile`` need not format it).
@@ -70,7 +72,7 @@ def check_same_tensors_on_all_ranks(
         RankMismatchError: on every rank, listing each rank's summary.
     """
     context = str(context)
-    local = _signature(tensors, context)
+    local = _signature(tensors, context).to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     summaries = [t.tolist() for t in gathered]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
 from puredist._dtensors import local_shard
+from puredist._host_groups import averages_natively, host_group, make_twins, summary_device
 from puredist._inputs import checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
@@ -188,8 +189,11 @@ class DistributedCollective:
             previous one.
         check_consistency: verify, with one small all-gather per averaging, that
             every rank passes the same tensors (raises instead of hanging). The
-            all-gather is of host tensors: over the group itself when it has a CPU
-            backend, else (NCCL) over a Gloo group of the same ranks, created here.
+            all-gather is of host tensors, over the group itself when it has a CPU
+            backend or over a Gloo twin of a device-only (NCCL) group; see
+            :mod:`puredist._host_groups` for which groups have one. On the whole
+            world of a device-only backend, every rank constructs its collective
+            (collectively: the twin is created here).
 
     Raises:
         ValueError: ``bucket_cap_bytes < 1``; no process group was initialized.
@@ -214,9 +218,8 @@ class DistributedCollective:
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
         self._pool = StagingPool(bucket_cap_bytes)
-        if self._is_member and check_consistency:
-            for group in self._groups.values():  # here, where every rank is: a Gloo twin of an NCCL group
-                _host_group(group)
+        if self.process_group is dist.group.WORLD:  # every rank builds it: a device-only world gets its Gloo twin
+            make_twins([range(dist.get_world_size())], like=self.process_group)
 
     @classmethod
     def with_subgroups(
@@ -244,7 +247,9 @@ class DistributedCollective:
         group spans all of them and each inner suffix is a subgroup for hierarchical
         averaging: group sizes ``|replicate|`` and ``|dc| * |replicate|``; then every
         rank of the default group must call this with the whole mesh (groups spanning
-        several dimensions are created collectively, once per set of ranks).
+        several dimensions are created collectively, once per set of ranks). So must
+        it for one dimension on a device-only (NCCL) mesh: the groups' Gloo twins for
+        the rank check are created together.
         ``kwargs`` go to the constructor.
 
         Raises:
@@ -340,10 +345,10 @@ class DistributedCollective:
         def scales(buffer: torch.Tensor) -> tuple[int | None, int | None]:
             if divides_first(buffer.dtype):
                 return size, None
-            return None, (None if _averages_natively(group, buffer.device) else size)
+            return None, (None if averages_natively(group, buffer.device) else size)
 
         def launch(buffer: torch.Tensor):
-            average = _averages_natively(group, buffer.device) and not divides_first(buffer.dtype)
+            average = averages_natively(group, buffer.device) and not divides_first(buffer.dtype)
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
@@ -380,8 +385,12 @@ class DistributedCollective:
         :class:`CollectiveError` saying that nothing was changed."""
         if not self.check_consistency:
             return
+        host = host_group(group)
         try:
-            check_same_tensors_on_all_ranks(tensors, _host_group(group), context=context, what=what)
+            check_same_tensors_on_all_ranks(
+                tensors, host or group, device=torch.device("cpu") if host else summary_device(),
+                context=context, what=what,
+            )
         except RankMismatchError:
             raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
@@ -399,9 +408,11 @@ class DistributedCollective:
             return
         group = self.process_group
         self._check_same(list(tensors), group, context=context, what=what)
-        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64)
+        host = host_group(group)
+        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64,
+                               device="cpu" if host else summary_device())
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
-        dist.all_gather(gathered, digests, group=_host_group(group))
+        dist.all_gather(gathered, digests, group=host or group)
         rows = [g.tolist() for g in gathered]
         differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
         if differing:
@@ -458,16 +469,19 @@ def _value_digest(tensor: torch.Tensor) -> int:
 def _mesh_group(mesh: "DeviceMesh", names: tuple[str, ...]) -> dist.ProcessGroup:
     """This rank's process group spanning the mesh dimensions ``names`` (the mesh's
     own for one dimension; for several, created collectively over every such group)."""
-    if len(names) == 1:
-        return mesh.get_group(names[0])
     order = [mesh.mesh_dim_names.index(name) for name in names]
     others = [d for d in range(mesh.ndim) if d not in order]
     ranks = mesh.mesh.permute(*others, *order).reshape(-1, math.prod(mesh.mesh.shape[d] for d in order)).tolist()
-    key = tuple(map(tuple, ranks))
-    world, group = _MESH_GROUPS.get(key, (None, None))
-    if world is not dist.group.WORLD:  # a process group holds sockets and threads: one per set of ranks and world
-        group, _ = dist.new_subgroups_by_enumeration(ranks)
-        _MESH_GROUPS[key] = (dist.group.WORLD, group)
+    if len(names) == 1:
+        group = mesh.get_group(names[0])
+    else:
+        key = tuple(map(tuple, ranks))
+        world, group = _MESH_GROUPS.get(key, (None, None))
+        if world is not dist.group.WORLD:  # a process group holds sockets and threads: one per set of ranks and world
+            group, _ = dist.new_subgroups_by_enumeration(ranks)
+            _MESH_GROUPS[key] = (dist.group.WORLD, group)
+    if mesh.mesh.numel() == dist.get_world_size():  # every rank is here: device-only groups get their Gloo twins
+        make_twins(ranks, like=group)
     return group
 
 
@@ -486,37 +500,10 @@ def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
     key = (id(whole), size)
     if key not in _SUBGROUPS:  # the parent is kept too, so its id is never reused
         _SUBGROUPS[key] = (whole, dist.new_subgroups(group_size=size, group=whole)[0])
+        ranks = dist.get_process_group_ranks(whole)
+        if len(ranks) == dist.get_world_size():  # every rank is here: device-only subgroups get their Gloo twins
+            make_twins([ranks[i : i + size] for i in range(0, len(ranks), size)], like=_SUBGROUPS[key][1])
     return _SUBGROUPS[key][1]
-
-
-def _averages_natively(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether the backend that reduces ``device``'s tensors in ``group`` has a native
-    ``ReduceOp.AVG`` (NCCL). A group of several backends (``"cpu:gloo,cuda:nccl"``,
-    torch's default) reduces each device's tensors with its own."""
-    backend = dist.get_backend(group)
-    by_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {device.type: backend}
-    return by_device.get(device.type) == "nccl"
-
-
-_HOST_GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
-def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group the rank check exchanges its summaries over, as CPU tensors: ``group``
-    itself when it has a CPU backend (Gloo, MPI, ``"cpu:gloo,cuda:nccl"``); for a
-    device-only group (NCCL), a Gloo group of the same ranks, created by its members
-    the first time (every member is in the same rank check then) and reused. So the
-    check is a host-to-host exchange: it never waits for the GPU's queue to drain,
-    and no device memory is read back."""
-    backend = dist.get_backend(group)
-    if "gloo" in backend or backend == "mpi":
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    world, host = _HOST_GROUPS.get(ranks, (None, None))
-    if world is not dist.group.WORLD:  # one per set of ranks and world, as for the mesh groups
-        host = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        _HOST_GROUPS[ranks] = (dist.group.WORLD, host)
-    return host
 
 
 class ReplicaGroups:

@@ -276,8 +276,9 @@ def outer_optimizer(
         and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
             pseudo = tuple(  # in the global copy's dtype (an fp32 master's difference is fp32), sent in comm_dtype
-                # (a pinned host copy goes up without blocking: the host writes it only after its next wait)
-                (state.global_params[i].to(leaves[i].device, non_blocking=True)
+                # (a pinned host copy goes up without blocking: the host writes it only after its next wait;
+                # a copy down to the host blocks, as the host computes with it at once)
+                (state.global_params[i].to(leaves[i].device, non_blocking=leaves[i].is_cuda)
                  - leaves[i].detach().to(state.global_params[i].dtype)).to(
                     comm_dtype or state.global_params[i].dtype
                 )
@@ -315,9 +316,10 @@ def outer_optimizer(
                 # from a pinned host copy without blocking: the host writes it again only after
                 # the wait in _fetched of a later synchronization, which orders after this copy
                 if item.snapshot:  # keep the local progress made while the all-reduce ran
-                    local.sub_(item.snapshot[k].to(local.device)).add_(targets[k].to(local.device, local.dtype, non_blocking=True))
+                    local.sub_(item.snapshot[k].to(local.device)).add_(
+                        targets[k].to(local.device, local.dtype, non_blocking=local.is_cuda))
                 else:
-                    local.copy_(targets[k], non_blocking=True)
+                    local.copy_(targets[k], non_blocking=local.is_cuda)
 
     def update_(params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
         """In place (see :class:`OuterTransform`). Raises before applying anything if a
@@ -371,7 +373,7 @@ def outer_optimizer(
         copies = clone_leaves(leaves)
         cloned = OuterState(
             state.step,
-            tuple(t.clone() for t in state.global_params),
+            tuple(torch.empty_like(t, pin_memory=t.is_pinned()).copy_(t) for t in state.global_params),  # stays pinned
             tuple(_clone_state(s) for s in state.outer_state),
             tuple(
                 item._replace(

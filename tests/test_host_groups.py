@@ -1,0 +1,62 @@
+"""The rank check's host side for device-only (NCCL) groups, on Gloo ranks that are
+told their groups serve no host (so the Gloo twins are made and used as on NCCL): the
+twins are created by every rank together, also after groups only some ranks know (the
+case where torch's ``use_local_synchronization`` names would differ and hang), and a
+mismatch is still caught on every rank, through the twin or, for a group without one,
+on the device the group gathers on."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import puredist
+from puredist import _host_groups
+from workers import run_workers
+
+
+def _device_only_groups(rank, world_size):
+    _host_groups._serves_the_host = lambda group: False  # in this worker: every group is device-only
+    if rank < 2:  # a group only ranks 0 and 1 know: their counts of groups differ from rank 2's
+        pair = dist.new_group([0, 1], use_local_synchronization=True)
+        dist.all_reduce(torch.ones(1), group=pair)
+    collective = puredist.DistributedCollective()
+    twin = _host_groups.host_group(collective.process_group)
+    assert twin is not None and twin is not collective.process_group
+    assert dist.get_process_group_ranks(twin) == list(range(world_size))
+    tensors = [torch.full((3,), float(rank))]
+    puredist.average_(tensors, collective=collective)
+    assert torch.equal(tensors[0], torch.full((3,), 1.0))
+    with pytest.raises(puredist.RankMismatchError, match="different tensors"):
+        puredist.average_([torch.ones(3 + (rank == 2))], collective=collective)
+
+
+def test_a_device_only_world_gets_its_twin_from_every_rank_together_and_checks_through_it():
+    run_workers(_device_only_groups, 3, timeout=60, gloo_timeout=20)
+
+
+def _device_only_subgroups(rank, world_size):
+    _host_groups._serves_the_host = lambda group: False
+    collective = puredist.DistributedCollective.with_subgroups([2])
+    pair = collective._group(2)
+    assert dist.get_process_group_ranks(_host_groups.host_group(pair)) == dist.get_process_group_ranks(pair)
+    if rank >= 2:  # ranks 2 and 3 disagree within their pair; 0 and 1 agree
+        with pytest.raises(puredist.RankMismatchError):
+            puredist.average_([torch.ones(2 + (rank == 3))], collective=collective, group_size=2)
+    else:
+        puredist.average_([torch.ones(2)], collective=collective, group_size=2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    across = puredist.DistributedCollective.from_mesh(mesh, "replicate")  # groups [0, 2] and [1, 3]
+    assert dist.get_process_group_ranks(_host_groups.host_group(across.process_group)) == [rank % 2, rank % 2 + 2]
+    # a group puredist did not make has no twin: the check gathers on the group's device
+    odd = dist.new_subgroups_by_enumeration([[0, 3], [1, 2]])[0]
+    assert _host_groups.host_group(odd) is None
+    tensors = [torch.full((2,), float(rank))]
+    puredist.average_(tensors, collective=puredist.DistributedCollective(odd))
+    assert torch.equal(tensors[0], torch.full((2,), 1.5))
+    with pytest.raises(puredist.RankMismatchError):
+        puredist.average_([torch.ones(2 + (rank in (0, 1)))], collective=puredist.DistributedCollective(odd))
+
+
+def test_subgroups_and_mesh_groups_get_twins_and_a_group_without_one_still_checks():
+    run_workers(_device_only_subgroups, 4, timeout=60, gloo_timeout=20)
