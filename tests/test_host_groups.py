@@ -8,7 +8,7 @@ on the device the group gathers on."""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import puredist
 from puredist import _host_groups
@@ -48,14 +48,44 @@ def _device_only_subgroups(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     across = puredist.DistributedCollective.from_mesh(mesh, "replicate")  # groups [0, 2] and [1, 3]
     assert dist.get_process_group_ranks(_host_groups.host_group(across.process_group)) == [rank % 2, rank % 2 + 2]
+    shuffled = DeviceMesh("cpu", torch.tensor([[3, 1], [0, 2]]), mesh_dim_names=("replicate", "shard"))
+    across = puredist.DistributedCollective.from_mesh(shuffled, "replicate")  # groups {0, 3} and {1, 2}
+    assert _host_groups.host_group(across.process_group) is not None  # found whatever order the mesh lists them in
     # a group puredist did not make has no twin: the check gathers on the group's device
-    odd = dist.new_subgroups_by_enumeration([[0, 3], [1, 2]])[0]
+    odd = dist.new_subgroups_by_enumeration([[0, 1, 2], [3]])[0]
     assert _host_groups.host_group(odd) is None
     tensors = [torch.full((2,), float(rank))]
     puredist.average_(tensors, collective=puredist.DistributedCollective(odd))
-    assert torch.equal(tensors[0], torch.full((2,), 1.5))
-    with pytest.raises(puredist.RankMismatchError):
-        puredist.average_([torch.ones(2 + (rank in (0, 1)))], collective=puredist.DistributedCollective(odd))
+    assert torch.equal(tensors[0], torch.full((2,), 1.0 if rank < 3 else 3.0))
+    if rank < 3:  # rank 2 disagrees within {0, 1, 2}; rank 3 is a group of one
+        with pytest.raises(puredist.RankMismatchError):
+            puredist.average_([torch.ones(2 + (rank == 2))], collective=puredist.DistributedCollective(odd))
+
+
+def _groups_made_on_gloo(rank, world_size):
+    before = dist.get_pg_count()
+    puredist.DistributedCollective.with_subgroups([2])
+    puredist.DistributedCollective.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                                             "replicate")
+    after_mesh = dist.get_pg_count()
+    return before, after_mesh
+
+
+def test_a_gloo_world_gets_no_twins():
+    before, after = run_workers(_groups_made_on_gloo, 4)[0]
+    # the subgroups of 2 (one new_subgroups call) and the mesh's own groups: nothing more
+    assert after - before == _groups_made_without_twins()
+
+
+def _mesh_groups_only(rank, world_size):
+    before = dist.get_pg_count()
+    dist.new_subgroups(group_size=2)
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return dist.get_pg_count() - before
+
+
+def _groups_made_without_twins():
+    return run_workers(_mesh_groups_only, 4)[0]
 
 
 def test_subgroups_and_mesh_groups_get_twins_and_a_group_without_one_still_checks():

@@ -156,6 +156,29 @@ def test_a_learning_rate_schedule_equals_torchs_lambda_lr_bitwise(torch_class, f
     assert not torch.equal(params[0], unscheduled[0])  # the schedule mattered: a constant rate ends elsewhere
 
 
+@pytest.mark.parametrize("kernel", [dict(foreach=False), dict(foreach=True), dict(fused=True)], ids=["for", "foreach", "fused"])
+def test_sgd_momentum_keeps_signed_zeros_as_torch_does(kernel):
+    # torch's first step copies the gradient into the buffer; puredist's starts from a zero buffer
+    values = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    reference = values.clone().requires_grad_()
+    reference.grad = torch.tensor([-0.0, -0.0, 0.0, 0.0])
+    torch_optimizer = torch.optim.SGD([reference], lr=0.1, momentum=0.9, **kernel)
+    optimizer = puredist.sgd(lr=0.1, momentum=0.9, **kernel)
+    params = [values.clone()]
+    state = optimizer.update_(params, [reference.grad.clone()], optimizer.init(params))
+    torch_optimizer.step()
+    assert torch.equal(torch.signbit(params[0]), torch.signbit(reference.detach()))
+    assert torch.equal(torch.signbit(state[0].momentum_buffer), torch.signbit(torch_optimizer.state[reference]["momentum_buffer"]))
+
+
+def test_a_schedule_refuses_a_state_that_counts_no_steps():
+    params = [torch.ones(2)]
+    unscheduled = puredist.sgd(lr=0.1, momentum=0.9).init(params)
+    with pytest.raises(TypeError, match="``state``: parameter 0's state counts no steps"):
+        puredist.sgd(lr=lambda count: 0.1, momentum=0.9).update_(params, [torch.ones(2)], unscheduled)
+    assert torch.equal(params[0], torch.ones(2))
+
+
 def test_a_parameter_skipped_by_a_scheduled_sgd_keeps_its_own_count():
     optimizer = puredist.sgd(lr=lambda count: 0.5 ** (count + 1))  # 0.5, 0.25, ...: every step exact
     params = [torch.ones(2), torch.ones(3)]

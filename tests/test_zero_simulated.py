@@ -45,6 +45,21 @@ def test_a_simulated_zero_step_is_the_owners_unsharded_step_copied_to_every_rank
     assert state.step == 3
 
 
+def test_strided_rows_are_stepped_as_the_owner_steps_its_dense_tensor_fused_kernels_too():
+    # torch's fused kernels step a non-dense tensor wrongly: a row of a transposed leaf is one
+    optimizer = puredist.adam(lr=0.01, fused=True)
+    sharded, plan = puredist.zero(optimizer), puredist.ZeroPlan(3, (1, 2))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=gen).t(), torch.randn(3, 4, generator=gen)]  # leaf 0: rows strided
+    alone = [p[owner].clone() for p, owner in zip(params, plan.owners)]
+    state, alone_state = sharded.init(params, plan=plan, rank=None), optimizer.init(alone)
+    for _ in range(3):
+        grads = [torch.randn(5, 3, generator=gen).t(), torch.randn(3, 4, generator=gen)]
+        state = sharded.update_(params, grads, state, collective=puredist.SimulatedCollective(3))
+        alone_state = optimizer.update_(alone, [g[owner].contiguous() for g, owner in zip(grads, plan.owners)], alone_state)
+        assert all(torch.equal(p, a.expand_as(p)) for p, a in zip(params, alone))
+
+
 def _on_real_ranks(rank, world_size, shapes, owners):
     sharded = puredist.zero(OPTIMIZERS["adam"]())
     plan = puredist.ZeroPlan(world_size, owners)

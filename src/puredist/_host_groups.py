@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 _TWINS: dict[tuple[int, ...], tuple[dist.ProcessGroup, "dist.ProcessGroup | None"]] = {}
-"""ranks -> (the default group of the world they were made in, this rank's twin;
+"""sorted ranks -> (the default group of the world they were made in, this rank's twin;
 ``None`` where this rank is not among the ranks)."""
 
 
@@ -50,7 +50,7 @@ def host_group(group: dist.ProcessGroup) -> "dist.ProcessGroup | None":
     its twin, or ``None`` (no twin: the check gathers on the device)."""
     if _serves_the_host(group):
         return group
-    world, twin = _TWINS.get(tuple(dist.get_process_group_ranks(group)), (None, None))
+    world, twin = _TWINS.get(tuple(sorted(dist.get_process_group_ranks(group))), (None, None))
     return twin if world is dist.group.WORLD else None
 
 
@@ -66,7 +66,8 @@ def make_twins(rank_lists: Sequence[Sequence[int]], like: dist.ProcessGroup) -> 
     have twins is then the same on every rank)."""
     if _serves_the_host(like):
         return
-    fresh = [tuple(ranks) for ranks in rank_lists if _TWINS.get(tuple(ranks), (None,))[0] is not dist.group.WORLD]
+    keys = [tuple(sorted(ranks)) for ranks in rank_lists]  # as torch lists a group's ranks
+    fresh = [key for key in keys if _TWINS.get(key, (None,))[0] is not dist.group.WORLD]
     if not fresh:
         return
     mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in fresh], timeout=_timeout(like), backend="gloo")

@@ -218,7 +218,8 @@ class DistributedCollective:
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
         self._pool = StagingPool(bucket_cap_bytes)
-        if self.process_group is dist.group.WORLD:  # every rank builds it: a device-only world gets its Gloo twin
+        if check_consistency and self.process_group is dist.group.WORLD:  # every rank builds it: a device-only
+            # world gets its Gloo twin for the check
             make_twins([range(dist.get_world_size())], like=self.process_group)
 
     @classmethod

@@ -47,8 +47,8 @@ class SGDParamState(NamedTuple):
     """SGD state of one parameter.
 
     Attributes:
-        momentum_buffer: the momentum buffer: zeros from ``init`` (the first step then
-            makes it the gradient, as torch's first step does); ``None`` without
+        momentum_buffer: the momentum buffer: zeros (``-0.0``) from ``init`` (the first
+            step then makes it the gradient, as torch's first step does); ``None`` without
             momentum; with dampening, ``None`` until the first step (torch's first
             step takes the gradient undamped, which a zero buffer would damp).
         step: with a learning-rate schedule, the updates taken (a 0-dim float32 CPU
@@ -122,6 +122,12 @@ def _scheduled(
         check(params, traced)
         if not callable(lr):
             return run(params, grads, states, traced, lr)
+        uncounted = [k for k, s in enumerate(states) if s.step is None]
+        if uncounted:
+            raise TypeError(
+                f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer without a "
+                "learning-rate schedule, e.g. loaded from its checkpoint); a schedule needs the count: init a new state."
+            )
         if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
             raise NotImplementedError(
                 "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
@@ -264,9 +270,10 @@ def sgd(
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
         count = torch.zeros((), dtype=torch.float32) if callable(lr) else None
-        # a zero buffer steps exactly as torch's first step (buf = grad): 0 * momentum + 1 * grad
+        # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
+        # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0)
         if momentum and not dampening:
-            return SGDParamState(torch.zeros_like(p, memory_format=torch.preserve_format), count)
+            return SGDParamState(torch.full_like(p, -0.0, memory_format=torch.preserve_format), count)
         return SGDParamState(None, count)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731

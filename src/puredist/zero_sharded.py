@@ -110,19 +110,13 @@ def zero(optimizer: Optimizer) -> Zero:
         owned = optimizer.init([leaves[i] for i in plan.owned_by(rank)])
         return ZeroState(step=0, plan=plan, owned=owned)
 
-    def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int | None) -> ZeroState:
-        """Step the parameters at ``indices`` that ``rank`` owns (``None``, simulated:
-        every parameter, its owner's row)."""
-        plan = state.plan
-        if rank is None:
-            mine, position = list(indices), {i: i for i in indices}
-            params = [leaves[i][plan.owners[i]] for i in mine]  # views: the step writes the owner's row
-            grads = [None if grad_leaves[i] is None else grad_leaves[i][plan.owners[i]] for i in mine]
-        else:
-            position = {index: k for k, index in enumerate(plan.owned_by(rank))}
-            mine = [i for i in indices if plan.owners[i] == rank]
-            params, grads = [leaves[i] for i in mine], [grad_leaves[i] for i in mine]
-        new = optimizer.update_(params, grads, tuple(state.owned[position[i]] for i in mine))
+    def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
+        """Step the parameters at ``indices`` that ``rank`` owns."""
+        position = {index: k for k, index in enumerate(state.plan.owned_by(rank))}
+        mine = [i for i in indices if state.plan.owners[i] == rank]
+        new = optimizer.update_(
+            [leaves[i] for i in mine], [grad_leaves[i] for i in mine], tuple(state.owned[position[i]] for i in mine)
+        )
         owned = list(state.owned)
         for i, s in zip(mine, new):
             owned[position[i]] = s
@@ -153,13 +147,25 @@ def zero(optimizer: Optimizer) -> Zero:
             _check_stacked([g for g in grad_leaves if g is not None], collective.world_size, "grads")
         return leaves, spec, grad_leaves
 
+    def _step_simulated(leaves, grad_leaves, state: ZeroState, indices) -> ZeroState:
+        """Every rank at once: each parameter's row of its owner, stepped as the owner
+        steps its own dense tensor (a row of a strided leaf is copied out: torch's fused
+        kernels step non-dense tensors wrongly), then written to every row (the owner's
+        broadcast)."""
+        owners = state.plan.owners
+        rows = [leaves[i][owners[i]].detach().clone(memory_format=torch.contiguous_format) for i in indices]
+        grads = [None if grad_leaves[i] is None else grad_leaves[i][owners[i]].contiguous() for i in indices]
+        new = optimizer.update_(rows, grads, tuple(state.owned[i] for i in indices))
+        owned = list(state.owned)
+        with torch.no_grad():
+            for i, row, leaf_state in zip(indices, rows, new):
+                leaves[i].copy_(row.expand_as(leaves[i]))
+                owned[i] = leaf_state
+        return state._replace(owned=tuple(owned))
+
     def _step_and_broadcast(leaves, grad_leaves, state: ZeroState, indices, collective):
         if isinstance(collective, SimulatedCollective):
-            state = _step_owned(leaves, grad_leaves, state, indices, None)
-            with torch.no_grad():
-                for i in indices:  # the owner's broadcast: its row to every row
-                    leaves[i].copy_(leaves[i][state.plan.owners[i]].clone().expand_as(leaves[i]))
-            return state, CollectiveHandle()
+            return _step_simulated(leaves, grad_leaves, state, indices), CollectiveHandle()
         state = _step_owned(leaves, grad_leaves, state, indices, collective.rank)
         return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
 
