@@ -312,3 +312,67 @@ def test_complex_adam_with_the_multi_tensor_kernel_matches_torch():
         theirs.step()
         state = optimizer.update_(params, [g], state)
     assert torch.equal(params[0], reference[0].detach())  # |g|^2, not g^2, in the second moment
+
+
+DILOCO = puredist.outer_optimizer(
+    puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=3, warmup_steps=1, fragments=2, lower_levels={1: 2},
+)
+
+
+def test_the_outer_update_under_vmap_equals_the_simulated_eager_loop():
+    from puredist.tree import vmap_axes
+
+    replicas, gen = 4, torch.Generator().manual_seed(0)
+    initial = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(2, generator=gen)}
+    state = DILOCO.init(initial)  # one global copy, unmapped at step 0: replicated by construction
+    axes = vmap_axes(state)  # the state keeps this structure at every step
+    params = {k: v.expand(replicas, *v.shape).clone() for k, v in initial.items()}
+    eager_params = {k: v.clone() for k, v in params.items()}
+    eager_state = DILOCO.init(eager_params)
+    for step in range(10):
+        drift = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}  # each replica's local step
+        params = {k: v + drift[k] for k, v in params.items()}
+        eager_params = {k: v + drift[k] for k, v in eager_params.items()}
+        params, state = vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
+                             in_dims=(0, None if step == 0 else axes), out_dims=(0, axes))(params, state)
+        eager_params, eager_state = DILOCO.update(eager_params, eager_state, collective=SimulatedCollective(replicas))
+        assert all(torch.equal(params[k], eager_params[k]) for k in params), f"step {step}"
+    assert state.step == 10 and all(torch.equal(a, b) for a, b in zip(state.global_params, eager_state.global_params))
+    assert all(torch.equal(a.momentum_buffer, b.momentum_buffer) for a, b in zip(state.outer_state, eager_state.outer_state))
+
+
+def test_the_gradient_through_an_outer_step_matches_finite_differences():
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=1)
+    collective, gen = SimulatedCollective(2), torch.Generator().manual_seed(3)
+    params = torch.randn(3, generator=gen, dtype=torch.float64).expand(2, 3).clone()  # the same on both ranks
+    _, state = transform.update([params], transform.init([params]), collective=collective)  # step 0: plain averaging
+    weights = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+
+    def loss(p):  # step 1: an outer Nesterov step on the averaged pseudo-gradient
+        return (transform.update([p], state, collective=collective)[0][0] * weights).sum()
+
+    moved = params + torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    ours = grad(loss)(moved)
+    h, finite = 1e-6, torch.zeros_like(moved)
+    for index in range(moved.numel()):
+        step = torch.zeros(moved.numel(), dtype=torch.float64)
+        step[index] = h
+        step = step.view_as(moved)
+        finite.view(-1)[index] = (loss(moved + step) - loss(moved - step)) / (2 * h)  # the eager update
+    torch.testing.assert_close(ours, finite, rtol=1e-6, atol=1e-8)
+    assert not torch.allclose(ours, weights)  # the outer step mixes the ranks: not the identity's gradient
+
+
+def test_the_outer_update_under_a_transform_refuses_what_it_cannot_map():
+    replicas, params = 2, [torch.randn(2, 3)]
+    delayed = puredist.outer_optimizer(puredist.sgd(lr=0.7), sync_every=2, delay=1)
+    with pytest.raises(NotImplementedError, match="delay=0"):
+        vmap(lambda p, s: delayed.update(p, s, collective=VmapCollective(replicas)), in_dims=(0, None))(
+            params, delayed.init([params[0][0]]))
+    two_leaves = [torch.randn(2, 3), torch.randn(2, 4)]
+    stacked = DILOCO.init(two_leaves)  # a global copy per replica, mapped: cannot be checked inside vmap
+    from puredist.tree import vmap_axes
+
+    with pytest.raises(NotImplementedError, match="pass the state of init unmapped"):
+        vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
+             in_dims=(0, vmap_axes(stacked)))(two_leaves, stacked)

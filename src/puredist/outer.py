@@ -55,14 +55,20 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from puredist.tree import PyTree, clone_leaves, tree_unflatten
+from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist._dtensors import is_dtensor, like, local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
+from puredist.replicas import VmapCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.schedules import hierarchical_schedule
+
+
+def _transformed(tensor: object) -> bool:
+    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (batched, tracked)."""
+    return isinstance(tensor, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 def _pinned_if_host_of_gpu(copy: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -363,9 +369,77 @@ def outer_optimizer(
                 raise
         return new_state
 
+    def traced_update(params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
+        """:func:`update` under ``torch.func`` transforms: out of place and
+        differentiable (the collective's ``mean``, the outer optimizer's pure
+        ``update``), for synchronous, uncompressed synchronizations."""
+        if delay or compressor is not None or state.in_flight:
+            raise NotImplementedError(
+                f"{config}: under torch.func transforms the outer update runs synchronous, uncompressed "
+                "synchronizations only (delay=0, no compressor): a delayed one is carried in the state by handles "
+                "and snapshots that no transform can map, a compressor's payloads are not differentiable."
+            )
+        leaves, spec = _float_leaves(params, in_place=False)
+        fragment_leaves = layout(leaves)
+        check_collective(collective)
+        if state.step == 0:
+            check_initial_copy(state, collective)
+        global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)
+        due = due_fragments(state.step)
+        for f in due:
+            indices = fragment_leaves[f]
+            pseudo = [
+                (global_params[i].to(leaves[i].device) - leaves[i].to(global_params[i].dtype)).to(
+                    comm_dtype or global_params[i].dtype)
+                for i in indices
+            ]
+            means = collective.mean(pseudo, context=f"{config} sync of fragment {f} started at step {state.step}")
+            targets = [global_params[i] for i in indices]
+            grads = [m.to(g.dtype) for m, g in zip(means, targets)]
+            if state.step == warmup_steps + offsets[f]:  # the first synchronization: plain averaging (see apply)
+                targets = [t - g for t, g in zip(targets, grads)]
+            else:
+                targets, stepped = outer.update(targets, grads, tuple(outer_state[i] for i in indices))
+                for k, i in enumerate(indices):
+                    outer_state[i] = stepped[k]
+            for k, i in enumerate(indices):
+                global_params[i] = targets[k]
+                new_leaves[i] = targets[k].to(leaves[i].device, leaves[i].dtype)
+        level = lower_level(state.step)
+        idle = [i for f, indices in enumerate(fragment_leaves) if f not in due for i in indices]
+        if level is not None and idle:
+            means = collective.mean([new_leaves[i] for i in idle], group_size=lower_sizes[level],
+                                    context=f"{config} lower level at step {state.step}")
+            for i, mean in zip(idle, means):
+                new_leaves[i] = mean
+        new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), state.residuals)
+        return tree_unflatten(spec, new_leaves), new_state
+
+    def check_initial_copy(state: OuterState, collective: Collective) -> None:
+        """Step 0 under a transform: the initial check reads the global copy on the host,
+        which only an unmapped copy allows (under ``vmap``, one copy shared by every
+        replica is replicated by construction)."""
+        if any(_transformed(t) for t in state.global_params):
+            raise NotImplementedError(
+                f"{config}: at step 0 the global copy made by init is checked to be the same on every rank, on the "
+                "host, which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
+                "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
+            )
+        if not isinstance(collective, VmapCollective):
+            collective.check_replicated(
+                list(state.global_params),
+                what=f"{config}: the initial parameters (the global copy made by init)",
+                context=f"{config} initial check at step 0",
+            )
+
     def update(params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
         """Pure: first completes the input state's collectives in flight (their buffers
-        belong to the collective until then), then works on copies."""
+        belong to the collective until then), then works on copies. Under ``torch.func``
+        transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
+        out of place and differentiably, for ``delay=0`` without a compressor; the
+        state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it)."""
+        if any(_transformed(t) for t in tree_leaves(params)):
+            return traced_update(params, state, collective)
         for item in state.in_flight:
             if item.handle.error is None:  # a failed one is issued again by update_
                 item.handle.wait()
