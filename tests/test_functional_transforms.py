@@ -228,10 +228,11 @@ def test_an_optimizer_update_under_vmap_over_stacked_params_and_states_equals_th
     stacked = {"w": torch.randn(replicas, 4, 3, generator=gen), "b": torch.randn(replicas, 5, generator=gen)}
     eager = [{k: v[r].clone() for k, v in stacked.items()} for r in range(replicas)]
     eager_states = [optimizer.init(p) for p in eager]
-    one = optimizer.init(eager[0])  # the same fresh state, stacked (absent fields stay None)
-    state = tuple(type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s)) for s in one)
+    one = optimizer.init(eager[0])  # the same fresh state, stacked (absent fields stay None), shaped like the params
+    assert set(one) == set(stacked)
+    state = {k: type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s)) for k, s in one.items()}
     axes = vmap_axes(state)  # the same at every step: no field changes from None to a tensor
-    assert vmap_axes((puredist.AveragerState(step=3), state[0])) == (puredist.AveragerState(step=None), axes[0])
+    assert vmap_axes((puredist.AveragerState(step=3), state["w"])) == (puredist.AveragerState(step=None), axes["w"])
     for _ in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in stacked.items()}
         for r in range(replicas):

@@ -67,6 +67,22 @@ def test_pure_update_does_not_touch_its_inputs():
     assert not torch.equal(new_params[0], params[0]) and new_state[0].step.item() == 1.0
 
 
+def test_the_state_is_shaped_like_the_params_tree():
+    optimizer = puredist.adam(lr=0.1)
+    params = {"w": torch.ones(2, 3), "bias": None, "layers": [torch.ones(4)]}
+    state = optimizer.init(params)
+    assert set(state) == {"w", "bias", "layers"} and state["bias"] is None
+    assert state["w"].exp_avg.shape == (2, 3) and state["layers"][0].exp_avg.shape == (4,)
+    grads = {"w": torch.ones(2, 3), "bias": None, "layers": [torch.ones(4)]}
+    new_params, new_state = optimizer.update(params, grads, state)
+    assert set(new_state) == set(state) and new_state["layers"][0].step.item() == 1.0
+    flat = optimizer.update_(params, grads, (state["w"], state["layers"][0]))  # a flat sequence of states, as ZeRO passes
+    assert set(flat) == set(state) and all(torch.equal(params[k] if k == "w" else params[k][0],
+                                                       new_params[k] if k == "w" else new_params[k][0]) for k in ("w", "layers"))
+    with pytest.raises(ValueError, match="``state`` must be shaped like ``params``"):
+        optimizer.update_(params, grads, {"w": state["w"]})
+
+
 def test_a_missing_gradient_leaves_parameter_and_state_alone():
     optimizer = puredist.sgd(lr=0.1, momentum=0.9)
     params = [torch.ones(2), torch.ones(3)]
@@ -212,9 +228,9 @@ def test_a_schedule_runs_under_vmap_with_the_counts_unmapped(functional, kwargs,
     eager = [[stacked[0][r].clone()] for r in range(replicas)]
     eager_states = [optimizer.init(p) for p in eager]
     one = optimizer.init(eager[0])
-    state = tuple(s._replace(**{f: torch.stack([t] * replicas) for f, t in s._asdict().items()
-                                if t is not None and f != "step"}) for s in one)
-    axes = tuple(a._replace(step=None) for a in vmap_axes(state))  # one count for every replica
+    state = [s._replace(**{f: torch.stack([t] * replicas) for f, t in s._asdict().items()
+                           if t is not None and f != "step"}) for s in one]  # shaped like the params (a list)
+    axes = [a._replace(step=None) for a in vmap_axes(state)]  # one count for every replica
     for _ in range(3):
         grads = [torch.randn(replicas, 4, generator=gen)]
         for r in range(replicas):

@@ -34,6 +34,7 @@ native ``AVG``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
@@ -170,8 +171,16 @@ class _AllReduceMean(torch.autograd.Function):
 def _runs_eagerly(method):
     """Keep ``torch.compile`` out of a method that talks to other ranks: it runs as
     written, between the compiled graphs (dynamo tracing through its staging buffers,
-    rank check and backend calls broke it into pieces that averaged the wrong values)."""
-    return torch.compiler.disable(method, recursive=True)
+    rank check and backend calls broke it into pieces that averaged the wrong values).
+    Decided per call, so that eager code never imports the compiler."""
+
+    @functools.wraps(method)
+    def runs_eagerly(*args, **kwargs):
+        if torch.compiler.is_compiling():  # dynamo is tracing this call: it runs between the graphs
+            return torch.compiler.disable(method, recursive=True)(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return runs_eagerly
 
 
 class DistributedCollective:

@@ -2,8 +2,9 @@
 
 Each constructor validates its hyper-parameters and returns an :class:`Optimizer`:
 
-- ``init(params) -> state``: a tuple with one per-parameter state (a NamedTuple) for
-  each leaf of ``params``, in the leaves' order;
+- ``init(params) -> state``: a tree shaped like ``params`` holding one per-parameter
+  state (a NamedTuple) where ``params`` holds a tensor (optax's layout:
+  ``init({"w": w})["w"]`` is ``w``'s state);
 - ``update(params, grads, state) -> (params, state)``: pure; new tensors, inputs
   untouched;
 - ``update_(params, grads, state) -> state``: writes the new values into ``params``'
@@ -12,8 +13,8 @@ Each constructor validates its hyper-parameters and returns an :class:`Optimizer
 ``params`` and ``grads`` are pytrees of the same structure; a ``None`` in ``grads``
 where ``params`` has a tensor leaves that parameter and its state unchanged, as
 ``torch.optim`` skips parameters without ``.grad``. Because the state is per parameter, any sub-list of parameters can be
-stepped with the matching sub-tuple of states: that is how ZeRO steps only the
-parameters a rank owns.
+stepped with the matching sub-list of states (a flat sequence of per-parameter states
+is taken for any tree): that is how ZeRO steps only the parameters a rank owns.
 
 Each takes a learning-rate schedule, as optax does: ``lr`` a callable of the step
 count (the updates this parameter has had, from 0), read on the host each update; at
@@ -78,9 +79,9 @@ class AdamParamState(NamedTuple):
 class Optimizer(NamedTuple):
     """A functional optimizer (see the module docstring)."""
 
-    init: Callable[[PyTree], tuple]
-    update: Callable[[PyTree, PyTree, tuple], tuple[PyTree, tuple]]
-    update_: Callable[[PyTree, PyTree, tuple], tuple]
+    init: Callable[[PyTree], PyTree]
+    update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+    update_: Callable[[PyTree, PyTree, PyTree], PyTree]
 
 
 _Step = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple], bool], list[NamedTuple]]
@@ -164,32 +165,55 @@ def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
 
-def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> Optimizer:
-    def init(params: PyTree) -> tuple:
-        """One fresh per-parameter state for each leaf of ``params``."""
-        leaves, _ = tree_flatten(params)
-        return tuple(init_leaf(p) for p in leaves)
+def _is_param_state(state: object) -> bool:
+    return isinstance(state, tuple) and hasattr(state, "_fields")
 
-    def stepped(leaves: list, grad_leaves: list, state: tuple, traced: bool) -> tuple:
+
+def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
+    """``state``'s per-parameter states in leaf order. ``state`` is shaped like the
+    params tree (as ``init`` returns it) or, as ZeRO and the outer optimizer pass
+    their sub-lists, a flat sequence of per-parameter states."""
+    if isinstance(state, (tuple, list)) and all(_is_param_state(s) for s in state):
+        if len(state) != count:
+            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {count} parameters.")
+        return list(state)
+    try:
+        return spec.flatten_up_to(state)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"Arg ``state`` must be shaped like ``params`` ({count} parameters), as init returns it; got "
+            f"{type(state).__name__}: {error}"
+        ) from error
+
+
+def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> Optimizer:
+    def init(params: PyTree) -> PyTree:
+        """A fresh per-parameter state for each leaf of ``params``, in a tree shaped
+        like ``params`` (``{"w": w}`` gives ``{"w": state of w}``)."""
+        leaves, spec = tree_flatten(params)
+        return tree_unflatten(spec, [init_leaf(p) for p in leaves])
+
+    def stepped(leaves: list, grad_leaves: list, state: list, traced: bool) -> list:
         """Step ``leaves`` in place with ``step`` (a ``None`` grad skips its parameter and
-        keeps its state); return the new state."""
-        if len(state) != len(leaves):
-            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {len(leaves)} parameters.")
+        keeps its state); return the new per-parameter states."""
         active = [i for i, g in enumerate(grad_leaves) if g is not None]
         new_state = list(state)
         new = step([leaves[i] for i in active], [grad_leaves[i] for i in active], [state[i] for i in active], traced)
         for i, s in zip(active, new):
             new_state[i] = s
-        return tuple(new_state)
+        return new_state
 
-    def update_(params: PyTree, grads: PyTree, state: tuple) -> tuple:
+    def update_(params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
         """Step ``params`` in place (a ``None`` grad skips its parameter); return the
-        new state."""
+        new state, shaped like ``params``."""
         leaves, spec = tree_flatten(params)
-        with torch.no_grad():
-            return stepped([leaf.detach() for leaf in leaves], spec.flatten_up_to(grads), state, False)
+        return tree_unflatten(spec, stepped_in_place(leaves, spec.flatten_up_to(grads), _per_leaf(spec, state, len(leaves))))
 
-    def update(params: PyTree, grads: PyTree, state: tuple) -> tuple[PyTree, tuple]:
+    def stepped_in_place(leaves: list, grad_leaves: list, states: list) -> list:
+        with torch.no_grad():
+            return stepped([leaf.detach() for leaf in leaves], grad_leaves, states, False)
+
+    def update(params: PyTree, grads: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
         """Pure: ``(new params, new state)``; the inputs are not modified; the new
         parameters are fresh tensors (leaves, ``requires_grad`` kept). Under
         ``torch.func`` transforms (``vmap`` over stacked params, grads and states;
@@ -199,13 +223,14 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         powers are taken in its dtype, about 1e-7 of ``lr`` for Adam)."""
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
-        cloned = tuple(_clone_state(s) for s in state)  # the inputs' state tensors are never handed out
-        state_tensors = [t for s in state for t in s if isinstance(t, torch.Tensor)]
+        states = _per_leaf(spec, state, len(leaves))
+        cloned = [_clone_state(s) for s in states]  # the inputs' state tensors are never handed out
+        state_tensors = [t for s in states for t in s if isinstance(t, torch.Tensor)]
         if not _traced([*leaves, *(g for g in grad_leaves if g is not None), *state_tensors], differentiable):
             copies = clone_leaves(leaves)
-            return tree_unflatten(spec, copies), update_(copies, grad_leaves, cloned)
+            return tree_unflatten(spec, copies), tree_unflatten(spec, stepped_in_place(copies, grad_leaves, cloned))
         copies = [leaf.clone() for leaf in leaves]  # recorded: the update is differentiable
-        return tree_unflatten(spec, copies), stepped(copies, grad_leaves, cloned, True)
+        return tree_unflatten(spec, copies), tree_unflatten(spec, stepped(copies, grad_leaves, cloned, True))
 
     return Optimizer(init, update, update_)
 

@@ -267,7 +267,7 @@ def outer_optimizer(
         residuals = (  # rank-local: a DTensor's residual is its local shard's
             tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves) if compressor else ()
         )
-        return OuterState(0, global_params, outer.init(list(global_params)), (), residuals)
+        return OuterState(0, global_params, tuple(outer.init(list(global_params))), (), residuals)
 
     def check_collective(collective: Collective) -> None:
         missing = [g for g in lower_sizes if g not in collective.group_sizes]

@@ -40,9 +40,11 @@ class _TracedSpec:
         self.spec, self.kept = spec, kept
 
     def flatten_up_to(self, other: PyTree) -> list[Any]:
-        leaves, spec = torch_pytree.tree_flatten(other)
-        if spec != self.spec:
-            raise ValueError(f"Expected a tree of structure {self.spec}, got {spec}.")
+        """``other``'s subtrees where this tree has leaves (e.g. per-parameter states)."""
+        try:
+            leaves = self.spec.flatten_up_to(other)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"Expected a tree of structure {self.spec}, got {other!r}.") from error
         return [leaf for leaf, kept in zip(leaves, self.kept) if kept]
 
     def unflatten(self, leaves: list[Any]) -> PyTree:

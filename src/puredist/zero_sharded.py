@@ -104,10 +104,10 @@ def zero(optimizer: Optimizer) -> Zero:
             raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
         if rank is None:
             _check_stacked(leaves, plan.world_size, "params")
-            return ZeroState(step=0, plan=plan, owned=optimizer.init([leaf[0] for leaf in leaves]))
+            return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}) (or None, simulated), got {rank}.")
-        owned = optimizer.init([leaves[i] for i in plan.owned_by(rank)])
+        owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
         return ZeroState(step=0, plan=plan, owned=owned)
 
     def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
