@@ -195,6 +195,28 @@ def test_a_schedule_refuses_a_state_that_counts_no_steps():
     assert torch.equal(params[0], torch.ones(2))
 
 
+@pytest.mark.parametrize("torch_class, functional, kwargs", [
+    (torch.optim.SGD, puredist.sgd, dict(momentum=0.9)), (torch.optim.AdamW, puredist.adamw, {}),
+    (torch.optim.Adam, puredist.adam, dict(fused=True)),
+], ids=["sgd", "adamw", "adam_fused"])
+def test_learning_rate_and_weight_decay_schedules_equal_torch_with_its_group_set_each_step(torch_class, functional, kwargs):
+    lr, decay = (lambda count: 0.05 / (1 + count)), (lambda count: 0.1 * 0.5 ** count)
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(40, generator=gen), torch.randn(3, generator=gen)]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_optimizer = torch_class(reference, lr=lr(0), weight_decay=decay(0), **kwargs)
+    optimizer = functional(lr=lr, weight_decay=decay, **kwargs)
+    state = optimizer.init(params)
+    for count in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for r, g in zip(reference, grads):
+            r.grad = g.clone()
+        torch_optimizer.param_groups[0].update(lr=lr(count), weight_decay=decay(count))
+        torch_optimizer.step()
+        state = optimizer.update_(params, grads, state)
+        assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference)), count
+
+
 def test_a_parameter_skipped_by_a_scheduled_sgd_keeps_its_own_count():
     optimizer = puredist.sgd(lr=lambda count: 0.5 ** (count + 1))  # 0.5, 0.25, ...: every step exact
     params = [torch.ones(2), torch.ones(3)]

@@ -16,11 +16,12 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-list of states (a flat sequence of per-parameter states
 is taken for any tree): that is how ZeRO steps only the parameters a rank owns.
 
-Each takes a learning-rate schedule, as optax does: ``lr`` a callable of the step
-count (the updates this parameter has had, from 0), read on the host each update; at
-update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
-``lambda k: lr(k) / base_lr``). Adam's state counts its steps anyway; SGD's state
-holds a count (``step``) only with a schedule. Under ``torch.func.vmap`` a schedule
+Each takes schedules, as optax does: ``lr`` and ``weight_decay`` may be callables of
+the step count (the updates this parameter has had, from 0), read on the host each
+update; at update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
+``lambda k: lr(k) / base_lr``; a weight-decay schedule is torch's param group's
+``weight_decay`` set before each step). Adam's state counts its steps anyway; SGD's
+state holds a count (``step``) only with a schedule. Under ``torch.func.vmap`` a schedule
 needs the counts unmapped (``in_dims=None`` for ``step``: every replica has taken the
 same steps).
 
@@ -111,27 +112,33 @@ def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 
 
+Hyper = float | Callable[[int], float]
+"""A hyper-parameter: a number, or a schedule of the step count."""
+
+
 def _scheduled(
-    lr: float | Callable[[int], float], run: Callable[..., list[NamedTuple]], check: Callable[[list, bool], None]
+    hypers: dict[str, Hyper], run: Callable[..., list[NamedTuple]], check: Callable[[list, bool], None]
 ) -> _Step:
     """The :data:`_Step` that calls ``check(params, traced)`` (before anything is
-    stepped), then ``run(params, grads, states, traced, rate)``: once at ``lr``, or with
-    a schedule once per group of parameters at the same count (a parameter skipped for
-    want of a gradient keeps its own), at ``lr(count)``."""
+    stepped), then ``run(params, grads, states, traced, **values)``: once with
+    ``hypers`` as they are, or, where some are schedules, once per group of parameters
+    at the same count (a parameter skipped for want of a gradient keeps its own), with
+    each schedule's value at that count."""
+    scheduled = [name for name, value in hypers.items() if callable(value)]
 
     def step(params, grads, states, traced):
         check(params, traced)
-        if not callable(lr):
-            return run(params, grads, states, traced, lr)
+        if not scheduled:
+            return run(params, grads, states, traced, **hypers)
         uncounted = [k for k, s in enumerate(states) if s.step is None]
         if uncounted:
             raise TypeError(
                 f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer without a "
-                "learning-rate schedule, e.g. loaded from its checkpoint); a schedule needs the count: init a new state."
+                "schedule, e.g. loaded from its checkpoint); a schedule needs the count: init a new state."
             )
         if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
             raise NotImplementedError(
-                "Arg ``lr`` is a schedule: it is called with the step count, read on the host, which a torch.func "
+                f"Arg ``{scheduled[0]}`` is a schedule: it is called with the step count, read on the host, which a torch.func "
                 "transform hides when it maps the count. Every replica has taken the same steps: map the counts "
                 "with in_dims=None, e.g. axes = tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
                 "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
@@ -140,8 +147,9 @@ def _scheduled(
         new = list(states)
         for count in sorted(set(counts)):
             group = [k for k, c in enumerate(counts) if c == count]
+            values = {name: float(value(count)) if callable(value) else value for name, value in hypers.items()}
             stepped = run([params[k] for k in group], [grads[k] for k in group], [states[k] for k in group], traced,
-                          float(lr(count)))
+                          **values)
             for k, state in zip(group, stepped):
                 new[k] = state
         return new
@@ -253,38 +261,40 @@ def sgd(
     ``differentiable=True``: ``update`` records its step for autograd, as under
     ``torch.func`` transforms).
 
-    ``lr`` may be a schedule, ``lr(count) -> rate`` (see the module docstring).
+    ``lr`` and ``weight_decay`` may be schedules, ``lr(count) -> rate`` (see the module
+    docstring).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
             without momentum or with dampening; ``fused`` and ``foreach`` both True.
     """
-    for name, value in (*(() if callable(lr) else (("lr", lr),)), ("momentum", momentum), ("weight_decay", weight_decay)):
-        _check_nonnegative(name, value)
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not callable(value) or name == "momentum":
+            _check_nonnegative(name, value)
     _check_kernel_choice(foreach, fused)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def first_traced_step(param, grad, rate):
+    def first_traced_step(param, grad, lr, weight_decay):
         """torch's first momentum step (``buf = grad``) without its ``detach``, which would
         cut the gradient through the buffer; returns the buffer."""
         grad = -grad if maximize else grad
         if weight_decay:
             grad = grad.add(param, alpha=weight_decay)
         buffer = grad.clone()
-        param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-rate)
+        param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-lr)
         return buffer
 
-    def run(params, grads, states, traced, rate):
+    def run(params, grads, states, traced, lr, weight_decay):
         buffers = [s.momentum_buffer for s in states]
         first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
         for k in first:
-            buffers[k] = first_traced_step(params[k], grads[k], rate)
+            buffers[k] = first_traced_step(params[k], grads[k], lr, weight_decay)
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
         _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
                     foreach=False if traced else foreach, fused=False if traced else fused,
-                    weight_decay=weight_decay, momentum=momentum, lr=rate, dampening=dampening, nesterov=nesterov,
+                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
             buffers[k] = buffer
@@ -294,7 +304,7 @@ def sgd(
         return [SGDParamState(b if momentum else None, s.step) for b, s in zip(buffers, states)]
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
-        count = torch.zeros((), dtype=torch.float32) if callable(lr) else None
+        count = torch.zeros((), dtype=torch.float32) if callable(lr) or callable(weight_decay) else None
         # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
         # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0)
         if momentum and not dampening:
@@ -302,14 +312,15 @@ def sgd(
         return SGDParamState(None, count)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
-    return _make_optimizer(init_leaf, _scheduled(lr, run, check), differentiable)
+    return _make_optimizer(init_leaf, _scheduled({"lr": lr, "weight_decay": weight_decay}, run, check), differentiable)
 
 
 def _adam_family(
     lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
 ) -> Optimizer:
-    for arg, value in (("eps", eps), ("weight_decay", weight_decay), *(() if callable(lr) else (("lr", lr),))):
-        _check_nonnegative(arg, value)
+    for arg, value in (("eps", eps), ("weight_decay", weight_decay), ("lr", lr)):
+        if not callable(value) or arg == "eps":
+            _check_nonnegative(arg, value)
     _check_kernel_choice(foreach, fused)
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
         raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
@@ -320,7 +331,7 @@ def _adam_family(
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
-    def kernel(params, grads, states, traced, rate: float) -> None:
+    def kernel(params, grads, states, traced, lr: float, weight_decay: float) -> None:
         _adam_kernel(
             params, grads,
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
@@ -331,16 +342,16 @@ def _adam_family(
             differentiable=traced,
             has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,
-            amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=rate,
+            amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize,
         )
 
-    def run(params, grads, states, traced, rate):
-        kernel(params, grads, states, traced, rate)  # counts the step in the states, in place
+    def run(params, grads, states, traced, lr, weight_decay):
+        kernel(params, grads, states, traced, lr, weight_decay)  # counts the step in the states, in place
         return list(states)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
-    return _make_optimizer(init_leaf, _scheduled(lr, run, check), differentiable)
+    return _make_optimizer(init_leaf, _scheduled({"lr": lr, "weight_decay": weight_decay}, run, check), differentiable)
 
 
 def adam(
