@@ -187,6 +187,18 @@ def test_sgd_momentum_keeps_signed_zeros_as_torch_does(kernel):
     assert torch.equal(torch.signbit(state[0].momentum_buffer), torch.signbit(torch_optimizer.state[reference]["momentum_buffer"]))
 
 
+def test_every_state_keeps_its_structure_from_init_dampened_sgd_too():
+    from puredist.tree import vmap_axes
+
+    for optimizer in (puredist.sgd(lr=0.1, momentum=0.9, dampening=0.5), puredist.sgd(lr=0.1), puredist.adam()):
+        params = {"w": torch.ones(3)}
+        state = optimizer.init(params)
+        axes = vmap_axes(state)
+        for _ in range(2):
+            state = optimizer.update_(params, {"w": torch.ones(3)}, state)
+            assert vmap_axes(state) == axes
+
+
 def test_a_schedule_refuses_a_state_that_counts_no_steps():
     params = [torch.ones(2)]
     unscheduled = puredist.sgd(lr=0.1, momentum=0.9).init(params)

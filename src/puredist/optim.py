@@ -21,7 +21,7 @@ the step count (the updates this parameter has had, from 0), read on the host ea
 update; at update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
 ``lambda k: lr(k) / base_lr``; a weight-decay schedule is torch's param group's
 ``weight_decay`` set before each step). Adam's state counts its steps anyway; SGD's
-state holds a count (``step``) only with a schedule. Under ``torch.func.vmap`` a schedule
+state holds a count (``step``) only with a schedule or dampened momentum. Under ``torch.func.vmap`` a schedule
 needs the counts unmapped (``in_dims=None`` for ``step``: every replica has taken the
 same steps).
 
@@ -50,11 +50,11 @@ class SGDParamState(NamedTuple):
 
     Attributes:
         momentum_buffer: the momentum buffer: zeros (``-0.0``) from ``init`` (the first
-            step then makes it the gradient, as torch's first step does); ``None`` without
-            momentum; with dampening, ``None`` until the first step (torch's first
-            step takes the gradient undamped, which a zero buffer would damp).
-        step: with a learning-rate schedule, the updates taken (a 0-dim float32 CPU
-            tensor, as Adam's); else ``None``.
+            step then makes it the gradient, as torch's first step does; with
+            dampening, the count tells the first step, which takes the gradient
+            undamped); ``None`` without momentum.
+        step: with a schedule or dampened momentum, the updates taken (a 0-dim
+            float32 CPU tensor, as Adam's); else ``None``.
     """
 
     momentum_buffer: torch.Tensor | None
@@ -112,6 +112,29 @@ def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 
 
+def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
+    """The step counts of ``states``, read on the host (``why`` needs them).
+
+    Raises:
+        TypeError: a state counts no steps (made by an optimizer that keeps no count).
+        NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
+    """
+    uncounted = [k for k, s in enumerate(states) if s.step is None]
+    if uncounted:
+        raise TypeError(
+            f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer without a "
+            f"schedule, e.g. loaded from its checkpoint), and {why[0].lower() + why[1:]}: init a new state."
+        )
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
+        raise NotImplementedError(
+            f"{why}: it reads the step count on the host, which a torch.func transform hides when it maps the count. "
+            "Every replica has taken the same steps: map the counts with in_dims=None, e.g. axes = "
+            "tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
+            "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
+        )
+    return [int(s.step) for s in states]
+
+
 Hyper = float | Callable[[int], float]
 """A hyper-parameter: a number, or a schedule of the step count."""
 
@@ -130,20 +153,7 @@ def _scheduled(
         check(params, traced)
         if not scheduled:
             return run(params, grads, states, traced, **hypers)
-        uncounted = [k for k, s in enumerate(states) if s.step is None]
-        if uncounted:
-            raise TypeError(
-                f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer without a "
-                "schedule, e.g. loaded from its checkpoint); a schedule needs the count: init a new state."
-            )
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
-            raise NotImplementedError(
-                f"Arg ``{scheduled[0]}`` is a schedule: it is called with the step count, read on the host, which a torch.func "
-                "transform hides when it maps the count. Every replica has taken the same steps: map the counts "
-                "with in_dims=None, e.g. axes = tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
-                "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
-            )
-        counts = [int(s.step) for s in states]
+        counts = _read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule")
         new = list(states)
         for count in sorted(set(counts)):
             group = [k for k, c in enumerate(counts) if c == count]
@@ -287,6 +297,9 @@ def sgd(
 
     def run(params, grads, states, traced, lr, weight_decay):
         buffers = [s.momentum_buffer for s in states]
+        if momentum and dampening:  # torch's first step copies the gradient undamped: a fresh buffer starts there
+            counts = _read_counts(states, "SGD with dampening knows its first step by the count")
+            buffers = [None if count == 0 else buffer for buffer, count in zip(buffers, counts)]
         first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
         for k in first:
             buffers[k] = first_traced_step(params[k], grads[k], lr, weight_decay)
@@ -304,10 +317,12 @@ def sgd(
         return [SGDParamState(b if momentum else None, s.step) for b, s in zip(buffers, states)]
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
-        count = torch.zeros((), dtype=torch.float32) if callable(lr) or callable(weight_decay) else None
+        counted = callable(lr) or callable(weight_decay) or (momentum and dampening)
+        count = torch.zeros((), dtype=torch.float32) if counted else None
         # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
-        # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0)
-        if momentum and not dampening:
+        # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0);
+        # with dampening the first step starts from the gradient instead (see run)
+        if momentum:
             return SGDParamState(torch.full_like(p, -0.0, memory_format=torch.preserve_format), count)
         return SGDParamState(None, count)
 
