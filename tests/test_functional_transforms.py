@@ -332,8 +332,9 @@ def test_the_outer_update_under_vmap_equals_the_simulated_eager_loop():
     eager_state = DILOCO.init(eager_params)
     for step in range(10):
         drift = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}  # each replica's local step
-        params = {k: v + drift[k] for k, v in params.items()}
-        eager_params = {k: v + drift[k] for k, v in eager_params.items()}
+        for k in params:  # in place: an output that shared memory with the global copy would move it too
+            params[k].add_(drift[k])
+            eager_params[k].add_(drift[k])
         params, state = vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
                              in_dims=(0, None if step == 0 else axes), out_dims=(0, axes))(params, state)
         eager_params, eager_state = DILOCO.update(eager_params, eager_state, collective=SimulatedCollective(replicas))
@@ -377,3 +378,38 @@ def test_the_outer_update_under_a_transform_refuses_what_it_cannot_map():
     with pytest.raises(NotImplementedError, match="pass the state of init unmapped"):
         vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
              in_dims=(0, vmap_axes(stacked)))(two_leaves, stacked)
+
+
+def _gradient_at_the_first_outer_step(rank, world_size):
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=1)
+    params = torch.ones(3, dtype=torch.float64)  # the same on every rank: the initial check passes
+    weights = torch.full((3,), float(rank + 1), dtype=torch.float64)
+    collective, state = puredist.DistributedCollective(), transform.init([params])
+    loss = lambda p: (transform.update([p], state, collective=collective)[0][0] * weights).sum()  # noqa: E731
+    return grad(loss)(params + rank)  # step 0 (its check reads the copy on the host): the first sync averages
+
+
+def test_the_first_outer_step_differentiates_on_real_ranks():
+    gradients = run_workers(_gradient_at_the_first_outer_step, 2)
+    closed_form = torch.full((3,), (1.0 + 2.0) / 2, dtype=torch.float64)  # the adjoint of a mean: the ranks' mean of w
+    for gradient in gradients:
+        torch.testing.assert_close(gradient, closed_form)
+
+
+def test_dampened_sgd_runs_under_vmap_with_its_counts_mapped():
+    from puredist.tree import vmap_axes
+
+    optimizer, replicas, gen = puredist.sgd(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01), 3, torch.Generator().manual_seed(5)
+    stacked = [torch.randn(replicas, 4, generator=gen)]
+    eager = [[stacked[0][r].clone()] for r in range(replicas)]
+    eager_states = [optimizer.init(p) for p in eager]
+    state = [s._replace(**{f: torch.stack([t] * replicas) for f, t in s._asdict().items() if t is not None})
+             for s in optimizer.init(eager[0])]  # every field mapped, the count too
+    axes = vmap_axes(state)
+    for _ in range(3):
+        grads = [torch.randn(replicas, 4, generator=gen)]
+        for r in range(replicas):
+            eager[r], eager_states[r] = optimizer.update(eager[r], [grads[0][r]], eager_states[r])
+        stacked, state = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))(stacked, grads, state)
+    for r in range(replicas):
+        assert torch.equal(stacked[0][r], eager[r][0]) and torch.equal(state[0].momentum_buffer[r], eager_states[r][0].momentum_buffer)

@@ -1,5 +1,7 @@
 """Functional optimizers against torch.optim's classes, step for step; purity."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from hypothesis import given
@@ -81,6 +83,21 @@ def test_the_state_is_shaped_like_the_params_tree():
                                                        new_params[k] if k == "w" else new_params[k][0]) for k in ("w", "layers"))
     with pytest.raises(ValueError, match="``state`` must be shaped like ``params``"):
         optimizer.update_(params, grads, {"w": state["w"]})
+
+
+class Linear(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def test_params_made_of_named_tuples_get_a_state_of_the_same_shape():
+    optimizer = puredist.sgd(lr=0.1, momentum=0.9)
+    params = [Linear(torch.ones(2, 3), torch.ones(3)), torch.ones(1)]
+    state = optimizer.init(params)
+    assert isinstance(state[0], Linear) and state[0].bias.momentum_buffer.shape == (3,)
+    grads = [Linear(torch.ones(2, 3), torch.ones(3)), torch.ones(1)]
+    new_params, new_state = optimizer.update(params, grads, state)
+    assert isinstance(new_state[0], Linear) and torch.equal(new_params[0].bias, torch.full((3,), 0.9))
 
 
 def test_a_missing_gradient_leaves_parameter_and_state_alone():

@@ -226,3 +226,13 @@ def test_buffers_are_averaged_only_when_asked_and_integers_never_as_floats():
     assert with_buffers["1.running_mean"] is model[1].running_mean  # averaging it updates the module
     with pytest.raises(ValueError, match="num_batches_tracked.*int64"):
         puredist.averaged_tensors(model, buffers=True, integer_buffers="error")
+
+
+def test_a_checkpoint_without_step_counts_is_refused_by_an_outer_optimizer_that_needs_them():
+    params = [torch.zeros(3), torch.zeros(2)]
+    plain = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, dampening=0.0), sync_every=2)
+    saved = plain.state_dict(plain.init(params), rank=0)
+    scheduled = puredist.outer_optimizer(puredist.sgd(lr=lambda count: 0.7, momentum=0.9), sync_every=2)
+    saved["config"] = scheduled.state_dict(scheduled.init(params), rank=0)["config"]  # the same schedule string
+    with pytest.raises(ValueError, match="no step count for parameter 0's outer state"):
+        scheduled.load_state_dict(scheduled.init(params), saved, rank=0)

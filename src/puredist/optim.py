@@ -112,6 +112,16 @@ def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 
 
+def _check_counted(states: Sequence[NamedTuple], why: str) -> None:
+    """Raise ``TypeError`` unless every state counts its steps (``why`` needs them)."""
+    uncounted = [k for k, s in enumerate(states) if s.step is None]
+    if uncounted:
+        raise TypeError(
+            f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer that keeps no "
+            f"count, e.g. loaded from its checkpoint); {why}: init a new state."
+        )
+
+
 def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
     """The step counts of ``states``, read on the host (``why`` needs them).
 
@@ -119,15 +129,10 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         TypeError: a state counts no steps (made by an optimizer that keeps no count).
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
-    uncounted = [k for k, s in enumerate(states) if s.step is None]
-    if uncounted:
-        raise TypeError(
-            f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer without a "
-            f"schedule, e.g. loaded from its checkpoint), and {why[0].lower() + why[1:]}: init a new state."
-        )
+    _check_counted(states, why)
     if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
         raise NotImplementedError(
-            f"{why}: it reads the step count on the host, which a torch.func transform hides when it maps the count. "
+            f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None, e.g. axes = "
             "tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
@@ -153,7 +158,7 @@ def _scheduled(
         check(params, traced)
         if not scheduled:
             return run(params, grads, states, traced, **hypers)
-        counts = _read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule")
+        counts = _read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
         new = list(states)
         for count in sorted(set(counts)):
             group = [k for k, c in enumerate(counts) if c == count]
@@ -183,25 +188,23 @@ def _clone_state(state: NamedTuple) -> NamedTuple:
     return type(state)(*(None if t is None else t.clone() for t in state))
 
 
-def _is_param_state(state: object) -> bool:
-    return isinstance(state, tuple) and hasattr(state, "_fields")
-
-
 def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     """``state``'s per-parameter states in leaf order. ``state`` is shaped like the
     params tree (as ``init`` returns it) or, as ZeRO and the outer optimizer pass
     their sub-lists, a flat sequence of per-parameter states."""
-    if isinstance(state, (tuple, list)) and all(_is_param_state(s) for s in state):
-        if len(state) != count:
-            raise ValueError(f"Arg ``state`` holds {len(state)} parameter states for {count} parameters.")
-        return list(state)
     try:
-        return spec.flatten_up_to(state)
+        states = spec.flatten_up_to(state)
     except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"Arg ``state`` must be shaped like ``params`` ({count} parameters), as init returns it; got "
-            f"{type(state).__name__}: {error}"
-        ) from error
+        flat = isinstance(state, (tuple, list)) and all(isinstance(s, (SGDParamState, AdamParamState)) for s in state)
+        if not flat:
+            raise ValueError(
+                f"Arg ``state`` must be shaped like ``params`` ({count} parameters), as init returns it; got "
+                f"{type(state).__name__}: {error}"
+            ) from error
+        states = list(state)
+    if len(states) != count or not all(isinstance(s, (SGDParamState, AdamParamState)) for s in states):
+        raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
+    return states
 
 
 def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> Optimizer:
@@ -295,8 +298,25 @@ def sgd(
         param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-lr)
         return buffer
 
+    def dampened_traced_step(param, grad, state, lr, weight_decay):
+        """torch's step with dampened momentum, choosing its first step (``buf = grad``,
+        undamped) by the count on the device, so that a mapped count works; returns
+        the buffer."""
+        grad = -grad if maximize else grad
+        if weight_decay:
+            grad = grad.add(param, alpha=weight_decay)
+        buffer = torch.where(state.step == 0, grad, state.momentum_buffer.mul(momentum).add(grad, alpha=1 - dampening))
+        param.add_(buffer, alpha=-lr)  # (no nesterov: torch refuses it with dampening)
+        return buffer
+
     def run(params, grads, states, traced, lr, weight_decay):
         buffers = [s.momentum_buffer for s in states]
+        if momentum and dampening and traced:
+            _check_counted(states, "SGD with dampening knows its first step by the count")
+            buffers = [dampened_traced_step(p, g, s, lr, weight_decay) for p, g, s in zip(params, grads, states)]
+            for state in states:
+                state.step.add_(1)
+            return [SGDParamState(b, s.step) for b, s in zip(buffers, states)]
         if momentum and dampening:  # torch's first step copies the gradient undamped: a fresh buffer starts there
             counts = _read_counts(states, "SGD with dampening knows its first step by the count")
             buffers = [None if count == 0 else buffer for buffer, count in zip(buffers, counts)]

@@ -404,7 +404,7 @@ def outer_optimizer(
                     outer_state[i] = stepped[k]
             for k, i in enumerate(indices):
                 global_params[i] = targets[k]
-                new_leaves[i] = targets[k].to(leaves[i].device, leaves[i].dtype)
+                new_leaves[i] = targets[k].to(leaves[i].device, leaves[i].dtype, copy=True)  # never the global copy
         level = lower_level(state.step)
         idle = [i for f, indices in enumerate(fragment_leaves) if f not in due for i in indices]
         if level is not None and idle:
@@ -426,11 +426,12 @@ def outer_optimizer(
                 "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
             )
         if not isinstance(collective, VmapCollective):
-            collective.check_replicated(
-                list(state.global_params),
-                what=f"{config}: the initial parameters (the global copy made by init)",
-                context=f"{config} initial check at step 0",
-            )
+            with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
+                collective.check_replicated(
+                    list(state.global_params),
+                    what=f"{config}: the initial parameters (the global copy made by init)",
+                    context=f"{config} initial check at step 0",
+                )
 
     def update(params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
         """Pure: first completes the input state's collectives in flight (their buffers
@@ -543,6 +544,12 @@ def outer_optimizer(
             shape = tuple(saved[f"global.{i}"].shape)
             if shape != tuple(template.shape):
                 raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+        for i, leaf_state in enumerate(state.outer_state):
+            if getattr(leaf_state, "step", None) is not None and not saved.get(f"outer.{i}.step.present", False):
+                raise ValueError(
+                    f"Arg ``saved`` holds no step count for parameter {i}'s outer state: it was saved by an outer "
+                    "optimizer that keeps none (without a schedule or dampening), which this one needs."
+                )
         if state.residuals and f"residual.0.rank{rank}" not in saved:
             raise ValueError(
                 f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
