@@ -98,3 +98,32 @@ def test_a_simulated_step_refuses_what_it_cannot_run_before_stepping_anything():
     with pytest.raises(ValueError, match=r"``params``: leaf 0 has shape \(3,\)"):
         sharded.init([torch.ones(3), torch.ones(2, 2)], plan=plan, rank=None)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("name, tolerance", [("sgd", 0.0), ("adam", 1e-6)])
+def test_the_pure_zero_step_under_vmap_equals_the_simulated_step(name, tolerance):
+    from torch.func import vmap
+
+    from puredist.tree import vmap_axes
+
+    replicas, shapes = 3, [(4,), (2, 3), (5,)]
+    plan, sharded = puredist.ZeroPlan(replicas, (2, 0, 1)), puredist.zero(OPTIMIZERS[name]())
+    params, eager = stacked_tree(shapes, replicas, 0), stacked_tree(shapes, replicas, 0)
+    eager_state = sharded.init(eager, plan=plan, rank=None)
+    one = sharded.init(params, plan=plan, rank=None)  # every parameter's state, stacked for every replica
+    state = one._replace(owned=tuple(type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s))
+                                     for s in one.owned))
+    axes = vmap_axes(state)
+    mapped = vmap(lambda p, g, s: sharded.update(p, g, s, collective=puredist.VmapCollective(replicas)),
+                  in_dims=(0, 0, axes), out_dims=(0, axes))
+    for step in range(3):
+        grads = stacked_tree(shapes, replicas, 10 + step)  # each replica's own: the owner's counts
+        params, state = mapped(params, grads, state)
+        eager_state = sharded.update_(eager, grads, eager_state, collective=puredist.SimulatedCollective(replicas))
+        for p, e in zip(params, eager):  # (Adam's differentiable kernel takes the step's powers in float32)
+            torch.testing.assert_close(p, e, rtol=tolerance, atol=tolerance)
+    for mine, theirs in zip(state.owned, eager_state.owned):  # every replica holds the owner's state
+        for ours, reference in zip(mine, theirs):
+            if reference is not None:
+                torch.testing.assert_close(ours, reference.expand_as(ours), rtol=tolerance, atol=tolerance)
+    assert state.step == 3

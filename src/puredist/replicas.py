@@ -91,6 +91,35 @@ def replica_mean(tensor: torch.Tensor, group_size: int, num_replicas: int) -> to
     return _ReplicaMean.apply(tensor, group_size, num_replicas)
 
 
+@custom_op("puredist::replica_select", mutates_args=())
+def _replica_select_op(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+    """Outside ``vmap`` there is no replica axis: only one replica has a value to give."""
+    if num_replicas != 1:
+        raise RuntimeError(
+            f"A VmapCollective over {num_replicas} replicas broadcast a tensor outside torch.func.vmap or one the "
+            f"vmap does not map: there is no replica axis to take replica {source}'s value from."
+        )
+    return tensor.clone()
+
+
+@_replica_select_op.register_fake
+def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
+    if info.batch_size != num_replicas:
+        raise ValueError(
+            f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
+            f"over {info.batch_size}."
+        )
+    rows = tensor.movedim(in_dims[0], 0)
+    return rows[source].unsqueeze(0).expand_as(rows).contiguous(), 0
+
+
+_replica_select_op.register_vmap(_replica_select_vmap)
+
+
 class VmapCollective(ReplicaGroups):
     """The :class:`~puredist.Collective` for code running under ``torch.func.vmap``
     over ``num_replicas`` simulated ranks (see the module docstring).
@@ -126,6 +155,16 @@ class VmapCollective(ReplicaGroups):
             for tensor, mean in zip(tensors, means):
                 tensor.copy_(mean)
         return CollectiveHandle() if async_op else None
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int) -> list[torch.Tensor]:
+        """Replica ``src``'s value of each tensor, on every replica (new tensors; a
+        tensor the ``vmap`` does not map is the same on every replica already)."""
+        if not 0 <= src < self.num_replicas:
+            raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
+        return [
+            _replica_select_op(t, src, self.num_replicas) if torch._C._functorch.is_batchedtensor(t) else t.clone()
+            for t in tensors
+        ]
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Not available under ``vmap`` (the check needs the values on the host)."""

@@ -25,6 +25,12 @@ rank at once, for property tests: every leaf is stacked ``[R, *shape]`` (row ``r
 rank ``r``'s), ``init(params, plan=plan, rank=None)`` holds the state of every
 parameter (shaped like one row), and a step updates each parameter's row of its owner
 with that row's gradient, then copies it to every row (the owner's broadcast).
+
+Under ``torch.func.vmap`` with a :class:`~puredist.VmapCollective`, the pure ``update``
+runs the same step from one replica's view: every replica steps every parameter with
+its own gradient (the state of every parameter, ``rank=None``, mapped), then takes the
+owner's new value and state (:meth:`~puredist.VmapCollective.broadcast`). It is a
+simulation: nothing is sharded in memory.
 """
 
 from typing import Callable, NamedTuple, Sequence
@@ -33,6 +39,7 @@ import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import CollectiveHandle, DistributedCollective, SimulatedCollective
+from puredist.replicas import VmapCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.sharding import ZeroPlan
 
@@ -125,9 +132,8 @@ def zero(optimizer: Optimizer) -> Zero:
     def _checked(params, grads, state: ZeroState, collective):
         if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
             raise TypeError(
-                f"Arg ``collective`` of a ZeRO step must be a DistributedCollective or a SimulatedCollective, got "
-                f"{type(collective).__name__}: each rank holds the optimizer state of other parameters, which no "
-                "vmapped function can batch."
+                f"Arg ``collective`` of a ZeRO step in place must be a DistributedCollective or a SimulatedCollective, "
+                f"got {type(collective).__name__}: under vmap use the pure update."
             )
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
@@ -186,8 +192,34 @@ def zero(optimizer: Optimizer) -> Zero:
         handle.wait()
         return end_iteration(state)
 
+    def mapped_update(params, grads, state: ZeroState, collective: VmapCollective):
+        """:func:`update` under ``vmap`` (see the module docstring)."""
+        leaves, spec = tree_flatten(params)
+        grad_leaves = spec.flatten_up_to(grads)
+        if len(state.owned) != len(leaves) or state.plan.world_size != collective.world_size:
+            raise ValueError(
+                f"Arg ``state``: under vmap every replica needs the state of every parameter ({len(leaves)}, from "
+                f"init(..., rank=None)) for a plan over the {collective.world_size} replicas; got {len(state.owned)} "
+                f"states over {state.plan.world_size}."
+            )
+        active = [i for i, g in enumerate(grad_leaves) if g is not None]
+        stepped, states = optimizer.update(
+            [leaves[i] for i in active], [grad_leaves[i] for i in active], [state.owned[i] for i in active]
+        )
+        new_leaves, owned = list(leaves), list(state.owned)
+        for k, i in enumerate(active):
+            new_leaves[i] = stepped[k]
+            owned[i] = type(states[k])(*(
+                None if t is None else collective.broadcast([t], src=state.plan.owners[i])[0] for t in states[k]
+            ))
+        new_leaves = [collective.broadcast([leaf], src=owner)[0] for leaf, owner in zip(new_leaves, state.plan.owners)]
+        return tree_unflatten(spec, new_leaves), ZeroState(state.step + 1, state.plan, tuple(owned))
+
     def update(params, grads, state: ZeroState, *, collective: DistributedCollective):
-        """Pure: ``(new params, new state)``; the inputs are not modified."""
+        """Pure: ``(new params, new state)``; the inputs are not modified. Under
+        ``vmap``, with a :class:`~puredist.VmapCollective` (see the module docstring)."""
+        if isinstance(collective, VmapCollective):
+            return mapped_update(params, grads, state, collective)
         leaves, spec = tree_flatten(params)
         copies = clone_leaves(leaves)
         cloned = state._replace(owned=tuple(_clone_state(s) for s in state.owned))
