@@ -246,6 +246,43 @@ def test_learning_rate_and_weight_decay_schedules_equal_torch_with_its_group_set
         assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference)), count
 
 
+@pytest.mark.parametrize("torch_class, functional, schedules, fixed", [
+    (torch.optim.SGD, puredist.sgd, dict(momentum=lambda count: min(0.9, 0.3 * count)), dict(lr=0.05, nesterov=False)),
+    (torch.optim.SGD, puredist.sgd, dict(momentum=lambda count: 0.5 + 0.1 * count), dict(lr=0.05, nesterov=True)),
+    (torch.optim.Adam, puredist.adam, dict(betas=lambda count: (0.8 + 0.05 * count, 0.99)), dict(lr=0.01)),
+], ids=["sgd_momentum_from_zero", "sgd_nesterov", "adam_betas"])
+def test_momentum_and_beta_schedules_equal_torch_with_its_group_set_each_step(torch_class, functional, schedules, fixed):
+    (name, schedule), = schedules.items()
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(30, generator=gen), torch.randn(3, generator=gen)]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_optimizer = torch_class(reference, **fixed, **{name: schedule(0) if name == "betas" else 0.5})
+    optimizer = functional(**fixed, **schedules)
+    state = optimizer.init(params)
+    for count in range(4):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for r, g in zip(reference, grads):
+            r.grad = g.clone()
+        torch_optimizer.param_groups[0][name] = schedule(count)
+        torch_optimizer.step()
+        state = optimizer.update_(params, grads, state)
+        assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference)), count
+
+
+def test_a_schedule_value_out_of_range_is_refused_before_anything_is_stepped():
+    params = [torch.ones(2)]
+    for optimizer, match in [
+        (puredist.sgd(lr=0.1, momentum=lambda count: -1.0), "``momentum`` must be a non-negative number, got -1.0"),
+        (puredist.adam(betas=lambda count: (0.9, 1.5)), r"``betas`` must be two numbers in \[0, 1\), got \(0.9, 1.5\)"),
+        (puredist.adamw(lr=lambda count: float("-inf")), "``lr`` must be a non-negative number"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            optimizer.update_(params, [torch.ones(2)], optimizer.init(params))
+        assert torch.equal(params[0], torch.ones(2))
+    with pytest.raises(ValueError, match="``momentum`` \\(a schedule\\) and ``dampening``"):
+        puredist.sgd(lr=0.1, momentum=lambda count: 0.9, dampening=0.1)
+
+
 def test_a_parameter_skipped_by_a_scheduled_sgd_keeps_its_own_count():
     optimizer = puredist.sgd(lr=lambda count: 0.5 ** (count + 1))  # 0.5, 0.25, ...: every step exact
     params = [torch.ones(2), torch.ones(3)]

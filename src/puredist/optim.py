@@ -16,11 +16,12 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-list of states (a flat sequence of per-parameter states
 is taken for any tree): that is how ZeRO steps only the parameters a rank owns.
 
-Each takes schedules, as optax does: ``lr`` and ``weight_decay`` may be callables of
-the step count (the updates this parameter has had, from 0), read on the host each
-update; at update ``k`` the rate is ``lr(k)`` (``torch.optim``'s ``LambdaLR`` with
-``lambda k: lr(k) / base_lr``; a weight-decay schedule is torch's param group's
-``weight_decay`` set before each step). Adam's state counts its steps anyway; SGD's
+Each takes schedules, as optax does: ``lr``, ``weight_decay``, SGD's ``momentum`` and
+Adam's ``betas`` (a pair) may be callables of the step count (the updates this
+parameter has had, from 0), read on the host each update and checked like the numbers
+they stand for, before anything is stepped; at update ``k`` the rate is ``lr(k)``
+(``torch.optim``'s ``LambdaLR`` with ``lambda k: lr(k) / base_lr``; the others are
+torch's param group's values set before each step). Adam's state counts its steps anyway; SGD's
 state holds a count (``step``) only with a schedule or dampened momentum. Under ``torch.func.vmap`` a schedule
 needs the counts unmapped (``in_dims=None`` for ``step``: every replica has taken the
 same steps).
@@ -35,7 +36,7 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` step for step.
 """
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -107,6 +108,11 @@ def _check_nonnegative(name: str, value: float) -> None:
         raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
 
 
+def _check_betas(betas: Any) -> None:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"Arg ``betas`` must be two numbers in [0, 1), got {betas!r}.")
+
+
 def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
     if foreach and fused:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
@@ -145,13 +151,17 @@ Hyper = float | Callable[[int], float]
 
 
 def _scheduled(
-    hypers: dict[str, Hyper], run: Callable[..., list[NamedTuple]], check: Callable[[list, bool], None]
+    hypers: dict[str, Hyper],
+    run: Callable[..., list[NamedTuple]],
+    check: Callable[[list, bool], None],
+    validate: Callable[[str, Any], None],
 ) -> _Step:
-    """The :data:`_Step` that calls ``check(params, traced)`` (before anything is
-    stepped), then ``run(params, grads, states, traced, **values)``: once with
-    ``hypers`` as they are, or, where some are schedules, once per group of parameters
-    at the same count (a parameter skipped for want of a gradient keeps its own), with
-    each schedule's value at that count."""
+    """The :data:`_Step` that calls ``check(params, traced)``, then
+    ``run(params, grads, states, traced, **values)``: once with ``hypers`` as they are,
+    or, where some are schedules, once per group of parameters at the same count (a
+    parameter skipped for want of a gradient keeps its own), with each schedule's value
+    at that count, every value first passed to ``validate(name, value)`` (so nothing
+    is stepped unless all are good)."""
     scheduled = [name for name, value in hypers.items() if callable(value)]
 
     def step(params, grads, states, traced):
@@ -159,10 +169,15 @@ def _scheduled(
         if not scheduled:
             return run(params, grads, states, traced, **hypers)
         counts = _read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
-        new = list(states)
+        groups = {}
         for count in sorted(set(counts)):
+            values = {name: value(count) if callable(value) else value for name, value in hypers.items()}
+            for name in scheduled:
+                validate(name, values[name])
+            groups[count] = values
+        new = list(states)
+        for count, values in groups.items():
             group = [k for k, c in enumerate(counts) if c == count]
-            values = {name: float(value(count)) if callable(value) else value for name, value in hypers.items()}
             stepped = run([params[k] for k in group], [grads[k] for k in group], [states[k] for k in group], traced,
                           **values)
             for k, state in zip(group, stepped):
@@ -274,21 +289,29 @@ def sgd(
     ``differentiable=True``: ``update`` records its step for autograd, as under
     ``torch.func`` transforms).
 
-    ``lr`` and ``weight_decay`` may be schedules, ``lr(count) -> rate`` (see the module
-    docstring).
+    ``lr``, ``weight_decay`` and ``momentum`` may be schedules, ``lr(count) -> rate``
+    (see the module docstring); a momentum schedule takes no dampening.
 
     Raises:
-        ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; ``nesterov``
-            without momentum or with dampening; ``fused`` and ``foreach`` both True.
+        ValueError: a negative ``lr``, ``momentum`` or ``weight_decay`` (a schedule's
+            value: at the update, before anything is stepped); ``nesterov`` without
+            momentum or with dampening; a momentum schedule with dampening; ``fused``
+            and ``foreach`` both True.
     """
     for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if not callable(value) or name == "momentum":
+        if not callable(value):
             _check_nonnegative(name, value)
     _check_kernel_choice(foreach, fused)
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and ((not callable(momentum) and momentum <= 0) or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    if callable(momentum) and dampening:
+        raise ValueError(
+            f"Args ``momentum`` (a schedule) and ``dampening`` ({dampening}): torch's first momentum step takes the "
+            "gradient undamped, which a rate that starts later cannot follow; schedule momentum without dampening."
+        )
+    has_momentum = callable(momentum) or momentum > 0
 
-    def first_traced_step(param, grad, lr, weight_decay):
+    def first_traced_step(param, grad, lr, weight_decay, momentum):
         """torch's first momentum step (``buf = grad``) without its ``detach``, which would
         cut the gradient through the buffer; returns the buffer."""
         grad = -grad if maximize else grad
@@ -298,7 +321,7 @@ def sgd(
         param.add_(grad.add(buffer, alpha=momentum) if nesterov else buffer, alpha=-lr)
         return buffer
 
-    def dampened_traced_step(param, grad, state, lr, weight_decay):
+    def dampened_traced_step(param, grad, state, lr, weight_decay, momentum):
         """torch's step with dampened momentum, choosing its first step (``buf = grad``,
         undamped) by the count on the device, so that a mapped count works; returns
         the buffer."""
@@ -309,11 +332,11 @@ def sgd(
         param.add_(buffer, alpha=-lr)  # (no nesterov: torch refuses it with dampening)
         return buffer
 
-    def run(params, grads, states, traced, lr, weight_decay):
+    def run(params, grads, states, traced, lr, weight_decay, momentum):
         buffers = [s.momentum_buffer for s in states]
         if momentum and dampening and traced:
             _check_counted(states, "SGD with dampening knows its first step by the count")
-            buffers = [dampened_traced_step(p, g, s, lr, weight_decay) for p, g, s in zip(params, grads, states)]
+            buffers = [dampened_traced_step(p, g, s, lr, weight_decay, momentum) for p, g, s in zip(params, grads, states)]
             for state in states:
                 state.step.add_(1)
             return [SGDParamState(b, s.step) for b, s in zip(buffers, states)]
@@ -322,7 +345,7 @@ def sgd(
             buffers = [None if count == 0 else buffer for buffer, count in zip(buffers, counts)]
         first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
         for k in first:
-            buffers[k] = first_traced_step(params[k], grads[k], lr, weight_decay)
+            buffers[k] = first_traced_step(params[k], grads[k], lr, weight_decay, momentum)
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
         _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
@@ -334,20 +357,21 @@ def sgd(
         for state in states:  # scheduled: one more update taken (in place, as Adam's kernel counts)
             if state.step is not None:
                 state.step.add_(1)
-        return [SGDParamState(b if momentum else None, s.step) for b, s in zip(buffers, states)]
+        return [SGDParamState(b if has_momentum else None, s.step) for b, s in zip(buffers, states)]
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
-        counted = callable(lr) or callable(weight_decay) or (momentum and dampening)
+        counted = callable(lr) or callable(weight_decay) or callable(momentum) or (momentum and dampening)
         count = torch.zeros((), dtype=torch.float32) if counted else None
         # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
         # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0);
         # with dampening the first step starts from the gradient instead (see run)
-        if momentum:
+        if has_momentum:
             return SGDParamState(torch.full_like(p, -0.0, memory_format=torch.preserve_format), count)
         return SGDParamState(None, count)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
-    return _make_optimizer(init_leaf, _scheduled({"lr": lr, "weight_decay": weight_decay}, run, check), differentiable)
+    hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable)
 
 
 def _adam_family(
@@ -357,8 +381,11 @@ def _adam_family(
         if not callable(value) or arg == "eps":
             _check_nonnegative(arg, value)
     _check_kernel_choice(foreach, fused)
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"Arg ``betas`` must lie in [0, 1), got {betas!r}.")
+    if not callable(betas):
+        _check_betas(betas)
+
+    def validate(name: str, value: Any) -> None:
+        _check_betas(value) if name == "betas" else _check_nonnegative(name, value)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
@@ -366,7 +393,7 @@ def _adam_family(
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
-    def kernel(params, grads, states, traced, lr: float, weight_decay: float) -> None:
+    def kernel(params, grads, states, traced, lr: float, weight_decay: float, betas) -> None:
         _adam_kernel(
             params, grads,
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
@@ -381,12 +408,13 @@ def _adam_family(
             weight_decay=weight_decay, eps=eps, maximize=maximize,
         )
 
-    def run(params, grads, states, traced, lr, weight_decay):
-        kernel(params, grads, states, traced, lr, weight_decay)  # counts the step in the states, in place
+    def run(params, grads, states, traced, lr, weight_decay, betas):
+        kernel(params, grads, states, traced, lr, weight_decay, betas)  # counts the step in the states, in place
         return list(states)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
-    return _make_optimizer(init_leaf, _scheduled({"lr": lr, "weight_decay": weight_decay}, run, check), differentiable)
+    hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable)
 
 
 def adam(
@@ -403,7 +431,8 @@ def adam(
     decoupled_weight_decay: bool = False,
 ) -> Optimizer:
     """Adam, as ``torch.optim.Adam``: L2 weight decay added to the gradient, or
-    decoupled (AdamW) with ``decoupled_weight_decay=True``.
+    decoupled (AdamW) with ``decoupled_weight_decay=True``. ``lr``, ``weight_decay`` and
+    ``betas`` may be schedules (see the module docstring).
 
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
@@ -426,7 +455,8 @@ def adamw(
     fused: bool | None = None,
     differentiable: bool = False,
 ) -> Optimizer:
-    """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay).
+    """AdamW, as ``torch.optim.AdamW`` (decoupled weight decay). ``lr``,
+    ``weight_decay`` and ``betas`` may be schedules (see the module docstring).
 
     Raises:
         ValueError: negative ``lr``/``eps``/``weight_decay``, ``betas`` outside [0, 1),
