@@ -54,9 +54,13 @@ def host_group(group: dist.ProcessGroup) -> "dist.ProcessGroup | None":
     return twin if world is dist.group.WORLD else None
 
 
-def summary_device() -> torch.device:
-    """Where a group without a host side gathers its check's summaries."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def exchange(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, torch.device]:
+    """The group and device ``group``'s rank check gathers over: its host group with
+    CPU tensors, or (no twin) the group itself on its device."""
+    host = host_group(group)
+    if host is not None:
+        return host, torch.device("cpu")
+    return group, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def make_twins(rank_lists: Sequence[Sequence[int]], like: dist.ProcessGroup) -> None:

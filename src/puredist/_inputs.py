@@ -32,6 +32,12 @@ _FLOAT8 = tuple(
 )
 
 
+def is_transformed(tensor: object) -> bool:
+    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (mapped by ``vmap``,
+    tracked by ``grad``): its values cannot be read on the host, nor its memory."""
+    return isinstance(tensor, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
 from puredist._dtensors import local_shard
-from puredist._host_groups import averages_natively, host_group, make_twins, summary_device
+from puredist._host_groups import averages_natively, exchange, make_twins
 from puredist._inputs import checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
@@ -395,12 +395,9 @@ class DistributedCollective:
         :class:`CollectiveError` saying that nothing was changed."""
         if not self.check_consistency:
             return
-        host = host_group(group)
+        over, device = exchange(group)
         try:
-            check_same_tensors_on_all_ranks(
-                tensors, host or group, device=torch.device("cpu") if host else summary_device(),
-                context=context, what=what,
-            )
+            check_same_tensors_on_all_ranks(tensors, over, device=device, context=context, what=what)
         except RankMismatchError:
             raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
@@ -418,11 +415,10 @@ class DistributedCollective:
             return
         group = self.process_group
         self._check_same(list(tensors), group, context=context, what=what)
-        host = host_group(group)
-        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64,
-                               device="cpu" if host else summary_device())
+        over, device = exchange(group)
+        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
-        dist.all_gather(gathered, digests, group=host or group)
+        dist.all_gather(gathered, digests, group=over)
         rows = [g.tolist() for g in gathered]
         differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
         if differing:

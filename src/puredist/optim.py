@@ -21,10 +21,10 @@ Adam's ``betas`` (a pair) may be callables of the step count (the updates this
 parameter has had, from 0), read on the host each update and checked like the numbers
 they stand for, before anything is stepped; at update ``k`` the rate is ``lr(k)``
 (``torch.optim``'s ``LambdaLR`` with ``lambda k: lr(k) / base_lr``; the others are
-torch's param group's values set before each step). Adam's state counts its steps anyway; SGD's
-state holds a count (``step``) only with a schedule or dampened momentum. Under ``torch.func.vmap`` a schedule
-needs the counts unmapped (``in_dims=None`` for ``step``: every replica has taken the
-same steps).
+torch's param group's values set before each step). Adam's state counts its steps
+anyway; SGD's state holds a count (``step``) only with a schedule or dampened momentum.
+Under ``torch.func.vmap`` a schedule needs the counts unmapped (``in_dims=None`` for
+``step``: every replica has taken the same steps).
 
 Each constructor also takes ``differentiable`` (default False): with True, ``update``
 records its step for autograd (differentiate through it, as under ``torch.func``
@@ -43,6 +43,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
+from puredist._inputs import is_transformed
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 
 
@@ -78,6 +79,9 @@ class AdamParamState(NamedTuple):
     max_exp_avg_sq: torch.Tensor | None
 
 
+_PARAM_STATES = (SGDParamState, AdamParamState)
+
+
 class Optimizer(NamedTuple):
     """A functional optimizer (see the module docstring)."""
 
@@ -96,11 +100,7 @@ def _traced(tensors: Sequence[torch.Tensor], differentiable: bool) -> bool:
     """Whether the update must be recorded: a tensor is wrapped by a ``torch.func``
     transform (``grad``, ``vmap``, ...), or the optimizer is ``differentiable``, autograd
     is on and a tensor requires grad."""
-    return any(
-        torch._C._functorch.is_functorch_wrapped_tensor(t)
-        or (differentiable and t.requires_grad and torch.is_grad_enabled())
-        for t in tensors
-    )
+    return any(is_transformed(t) or (differentiable and t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -136,11 +136,12 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
     _check_counted(states, why)
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(s.step) for s in states):
+    if any(is_transformed(s.step) for s in states):
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
-            "Every replica has taken the same steps: map the counts with in_dims=None, e.g. axes = "
-            "tuple(a._replace(step=None) for a in puredist.tree.vmap_axes(state)), "
+            "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
+            "``step``), e.g. for a list of parameters axes = [a._replace(step=None) for a in "
+            "puredist.tree.vmap_axes(state)], "
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
     return [int(s.step) for s in states]
@@ -210,14 +211,14 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     try:
         states = spec.flatten_up_to(state)
     except (ValueError, TypeError) as error:
-        flat = isinstance(state, (tuple, list)) and all(isinstance(s, (SGDParamState, AdamParamState)) for s in state)
+        flat = isinstance(state, (tuple, list)) and all(isinstance(s, _PARAM_STATES) for s in state)
         if not flat:
             raise ValueError(
                 f"Arg ``state`` must be shaped like ``params`` ({count} parameters), as init returns it; got "
                 f"{type(state).__name__}: {error}"
             ) from error
         states = list(state)
-    if len(states) != count or not all(isinstance(s, (SGDParamState, AdamParamState)) for s in states):
+    if len(states) != count or not all(isinstance(s, _PARAM_STATES) for s in states):
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
     return states
 

@@ -58,17 +58,13 @@ import torch
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist._dtensors import is_dtensor, like, local_shard
+from puredist._inputs import is_transformed
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
 from puredist.replicas import VmapCollective
 from puredist.optim import Optimizer, _clone_state
 from puredist.schedules import hierarchical_schedule
-
-
-def _transformed(tensor: object) -> bool:
-    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (batched, tracked)."""
-    return isinstance(tensor, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 def _pinned_if_host_of_gpu(copy: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -277,19 +273,24 @@ def outer_optimizer(
                 f"``lower_levels``; it supports {collective.group_sizes}."
             )
 
+    def pseudo_gradient(global_param: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        """``global - leaf`` in the global copy's dtype (an fp32 master's difference is
+        fp32), on the leaf's device, in the dtype it is sent in. A pinned host copy goes
+        up without blocking: the host writes it only after its next wait; a copy down
+        to the host blocks, as the host computes with it at once."""
+        difference = global_param.to(leaf.device, non_blocking=leaf.is_cuda) - leaf.to(global_param.dtype)
+        return difference.to(comm_dtype or global_param.dtype)
+
+    def is_first_sync(fragment: int, start_step: int) -> bool:
+        """Whether the synchronization of ``fragment`` started at ``start_step`` is its
+        first, which only establishes the synchronized point (plain averaging)."""
+        return start_step == warmup_steps + offsets[fragment]
+
     def start(leaves, state: OuterState, fragment: int, indices, collective: Collective, residuals: list) -> InFlight:
         """Start ``fragment``'s synchronization; with a compressor it completes here,
         and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
-            pseudo = tuple(  # in the global copy's dtype (an fp32 master's difference is fp32), sent in comm_dtype
-                # (a pinned host copy goes up without blocking: the host writes it only after its next wait;
-                # a copy down to the host blocks, as the host computes with it at once)
-                (state.global_params[i].to(leaves[i].device, non_blocking=leaves[i].is_cuda)
-                 - leaves[i].detach().to(state.global_params[i].dtype)).to(
-                    comm_dtype or state.global_params[i].dtype
-                )
-                for i in indices
-            )
+            pseudo = tuple(pseudo_gradient(state.global_params[i], leaves[i].detach()) for i in indices)
             snapshot = tuple(leaves[i].detach().clone() for i in indices) if delay else ()
             if compressor is None:
                 return InFlight(state.step + delay, fragment, pseudo, snapshot, issue(pseudo, state.step, fragment, collective))
@@ -308,7 +309,7 @@ def outer_optimizer(
         targets = [global_params[i] for i in indices]
         grads = _fetched(item.pseudo_grads, targets)
         with torch.no_grad():
-            if item.apply_step - delay == warmup_steps + offsets[item.fragment]:
+            if is_first_sync(item.fragment, item.apply_step - delay):
                 # the fragment's first synchronization only establishes the synchronized
                 # point: plain averaging, g - mean(g - l) = mean(l); the outer optimizer
                 # starts from there (else all of warm-up would be one outer step)
@@ -388,15 +389,11 @@ def outer_optimizer(
         due = due_fragments(state.step)
         for f in due:
             indices = fragment_leaves[f]
-            pseudo = [
-                (global_params[i].to(leaves[i].device) - leaves[i].to(global_params[i].dtype)).to(
-                    comm_dtype or global_params[i].dtype)
-                for i in indices
-            ]
+            pseudo = [pseudo_gradient(global_params[i], leaves[i]) for i in indices]
             means = collective.mean(pseudo, context=f"{config} sync of fragment {f} started at step {state.step}")
             targets = [global_params[i] for i in indices]
             grads = [m.to(g.dtype) for m, g in zip(means, targets)]
-            if state.step == warmup_steps + offsets[f]:  # the first synchronization: plain averaging (see apply)
+            if is_first_sync(f, state.step):  # plain averaging (see apply)
                 targets = [t - g for t, g in zip(targets, grads)]
             else:
                 targets, stepped = outer.update(targets, grads, tuple(outer_state[i] for i in indices))
@@ -419,7 +416,7 @@ def outer_optimizer(
         """Step 0 under a transform: the initial check reads the global copy on the host,
         which only an unmapped copy allows (under ``vmap``, one copy shared by every
         replica is replicated by construction)."""
-        if any(_transformed(t) for t in state.global_params):
+        if any(is_transformed(t) for t in state.global_params):
             raise NotImplementedError(
                 f"{config}: at step 0 the global copy made by init is checked to be the same on every rank, on the "
                 "host, which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
@@ -439,7 +436,7 @@ def outer_optimizer(
         transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
         out of place and differentiably, for ``delay=0`` without a compressor; the
         state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it)."""
-        if any(_transformed(t) for t in tree_leaves(params)):
+        if any(is_transformed(t) for t in tree_leaves(params)):
             return traced_update(params, state, collective)
         for item in state.in_flight:
             if item.handle.error is None:  # a failed one is issued again by update_

@@ -51,13 +51,18 @@ def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
-    dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
+def _check_replica_axis(info, num_replicas: int) -> None:
+    """Raise unless the innermost ``vmap`` maps over ``num_replicas``."""
     if info.batch_size != num_replicas:
         raise ValueError(
             f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
             f"over {info.batch_size}."
         )
+
+
+def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
+    dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
+    _check_replica_axis(info, num_replicas)
     return block_mean(tensor.movedim(dim, 0), group_size), 0
 
 
@@ -108,11 +113,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    if info.batch_size != num_replicas:
-        raise ValueError(
-            f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
-            f"over {info.batch_size}."
-        )
+    _check_replica_axis(info, num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     return rows[source].unsqueeze(0).expand_as(rows).contiguous(), 0
 
