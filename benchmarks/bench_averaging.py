@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import utils as torch_utils
 
 import puredist
+from puredist._inputs import checked
 from _measure import (
     add_device_arguments, device_name, init_distributed, interleaved_medians, mib, peak_extra_bytes,
     peak_extra_device_bytes, return_large_blocks_to_the_os,
@@ -43,18 +44,20 @@ def make_params(kind: str, layers: int, width: int, seed: int, device: torch.dev
 def averaging_methods(kind: str, layers: int, width: int, device: torch.device) -> tuple[dict, list[torch.Tensor], int]:
     """The ways to average this rank's parameters of the given model."""
     params = make_params(kind, layers, width, seed=dist.get_rank(), device=device)
+    # torch's own copy: average_parameters rebinds p.data to a new buffer at every call, which
+    # would make every call of puredist's a first one (new storage: checked and planned anew)
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     flat = torch.zeros(model_bytes // 4, dtype=torch.float32, device=device)
     collective = puredist.DistributedCollective()
     methods = {
         "bare all_reduce": lambda: dist.all_reduce(flat),
-        "torch average_parameters": lambda: torch_utils.average_parameters(iter(params), dist.group.WORLD),
+        "torch average_parameters": lambda: torch_utils.average_parameters(iter(torch_params), dist.group.WORLD),
         "puredist average_": lambda: puredist.average_(params, collective=collective),
     }
-    if dist.get_world_size() == 1:
-        leaves = [p.detach() for p in params]
+    if dist.get_world_size() == 1:  # what mean_ runs at several ranks: the checks (per layout), the rank check, the buckets
         methods["puredist body (1 rank)"] = lambda: collective._average_over(
-            collective.process_group, leaves, leaves, async_op=False, context="")
+            collective.process_group, checked(params), async_op=False, context="")
     return methods, params, collective.bucket_cap_bytes
 
 

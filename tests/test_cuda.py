@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import puredist
 from faults import fault_at_collective
-from puredist._inputs import checked_for_reduction
+from puredist._inputs import checked
 from puredist._host_groups import host_group
 from test_failures import NUMEL, TENSORS, assert_old_or_mean_as_reported, values
 from test_zero_overlap import HOOKS, OPTIMIZERS, _parity
@@ -266,9 +266,9 @@ def _nccl_paths_without_host_sync(rank, world_size, backend):
     dist.all_reduce = recording
     try:  # mean_ skips one rank's averaging: its body, run at one rank (what two ranks run)
         with host_syncs() as syncs:
-            reduced = checked_for_reduction(tensors)  # as mean_ passes them: complex ones as real views
-            collective._average_over(group, tensors, reduced, async_op=False, context="blocking")
-            collective._average_over(group, tensors, reduced, async_op=True, context="async").wait()
+            given = checked(tensors)  # as mean_ passes them (complex ones reduced as real views)
+            collective._average_over(group, given, async_op=False, context="blocking")
+            collective._average_over(group, given, async_op=True, context="async").wait()
     finally:
         dist.all_reduce = all_reduce
     assert all(torch.equal(t, b) for t, b in zip(tensors, before))  # the mean of one rank

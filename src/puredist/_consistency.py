@@ -13,31 +13,16 @@ ranks proceed or all raise the same error, which shows each rank's context.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from puredist._dtensors import sharding_signature
+from puredist._layout import Layout, digest, layout_of
 
 
 class RankMismatchError(RuntimeError):
     """Ranks of one process group passed different tensor lists to one collective."""
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def _signature(tensors: Sequence[torch.Tensor], context: str) -> torch.Tensor:
-    # everything the bucket plan depends on: a difference would desynchronize the collectives
-    layout = ";".join(
-        f"{t.device.type},{t.dtype},{tuple(t.shape)},{t.is_contiguous()}{sharding_signature(t)}" for t in tensors
-    )
-    return torch.tensor(
-        [len(tensors), sum(t.numel() for t in tensors), _digest(layout), _digest(context)], dtype=torch.int64
-    )
 
 
 def _describe(rank: int, summary: list[int], context: str) -> str:
@@ -49,6 +34,7 @@ def check_same_tensors_on_all_ranks(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     *,
+    layout: Layout | None = None,
     device: torch.device = torch.device("cpu"),
     context: object = "",
     what: str = "one averaging all-reduce",
@@ -61,6 +47,8 @@ def check_same_tensors_on_all_ranks(
     Args:
         tensors: this rank's tensors.
         group: a group of the ranks about to use them (this rank is a member).
+        layout: the tensors' :class:`~puredist._layout.Layout`, if the caller has it
+            (its summary is computed once per layout); else looked up.
         device: where ``group`` gathers the summaries: the host where it has a CPU
             backend (a device-only group's are read back from the device).
         context: more that must agree (the schedule's configuration and step, a ZeRO
@@ -72,7 +60,8 @@ def check_same_tensors_on_all_ranks(
         RankMismatchError: on every rank, listing each rank's summary.
     """
     context = str(context)
-    local = _signature(tensors, context).to(device)
+    summary = (layout if layout is not None else layout_of(tensors)).summary(tensors)
+    local = torch.tensor([*summary, digest(context)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     summaries = [t.tolist() for t in gathered]

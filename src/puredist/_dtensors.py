@@ -13,6 +13,8 @@ outer optimizer's) stays on the shards; nothing here redistributes.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 try:
@@ -25,12 +27,13 @@ def is_dtensor(tensor: object) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
-def check_not_pending(tensor: torch.Tensor, arg: str, label: str) -> None:
+def check_not_pending(tensor: torch.Tensor, arg: str, label: Callable[[], str]) -> None:
     """Raise ValueError for a DTensor with a ``Partial`` placement (a reduction still
-    pending within its mesh: its shards are not values to average)."""
+    pending within its mesh: its shards are not values to average); ``label()`` names
+    the tensor (built only when raising)."""
     if is_dtensor(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
         raise ValueError(
-            f"Arg ``{arg}``: {label} is a DTensor with placements {tensor.placements}: a Partial placement is a "
+            f"Arg ``{arg}``: {label()} is a DTensor with placements {tensor.placements}: a Partial placement is a "
             "reduction still pending within its mesh. Redistribute it to Shard or Replicate first."
         )
 

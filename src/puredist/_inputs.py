@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from puredist._dtensors import check_not_pending, local_shard
+from puredist._layout import Layout, layout_of
 
 _FLOAT8 = tuple(
     getattr(torch, name)
@@ -32,10 +33,26 @@ _FLOAT8 = tuple(
 )
 
 
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running around
+    this call: only then can a tensor be wrapped by one. One look at functorch's
+    interpreter stack (private: ``torch._C._functorch.peek_interpreter_stack``, as
+    ``torch._functorch.pyfunctorch`` reads it), instead of one per tensor. ``False``
+    while ``torch.compile`` traces (a compiled function sees plain tensors)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def is_transformed(tensor: object) -> bool:
     """Whether ``tensor`` is wrapped by a ``torch.func`` transform (mapped by ``vmap``,
-    tracked by ``grad``): its values cannot be read on the host, nor its memory."""
-    return isinstance(tensor, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    tracked by ``grad``): its values cannot be read on the host, nor its memory.
+    (private: ``torch._C._functorch.is_functorch_wrapped_tensor``)"""
+    return (
+        transforms_active()
+        and isinstance(tensor, torch.Tensor)
+        and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    )
 
 
 def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
@@ -61,6 +78,80 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * tensor.element_size()
 
 
+class Checked(list):
+    """The tensors to reduce, as :func:`checked` returns them: a list of the tensors
+    as given (the leaves a caller works with), known to pass the checks.
+
+    Attributes:
+        reduced: the real-valued tensors the collective writes (a complex tensor's
+            ``view_as_real``, a DTensor's local shard; the others as given).
+        layout: their :class:`~puredist._layout.Layout` (summary, bucket plans).
+    """
+
+    reduced: list[torch.Tensor]
+    layout: Layout
+
+
+def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor") -> Checked:
+    """Check that every tensor can be reduced in place (see the module docstring),
+    once per layout: a list of the same metadata as one already checked passes at
+    the cost of reading its metadata. A :class:`Checked` passes as it is.
+
+    Args:
+        tensors: the tensors, in the order given.
+        arg: the argument's name, for messages.
+        noun: what an element is called in messages (``"leaf"`` for a pytree's leaves).
+
+    Raises:
+        TypeError: an element is not a tensor, or has an integer, bool or float8 dtype.
+        ValueError: a sparse or meta tensor, overlapping elements, memory shared
+            between two tensors, or a DTensor with a ``Partial`` placement — naming
+            the tensor(s) and the reason.
+    """
+    if isinstance(tensors, Checked):
+        return tensors
+    result = Checked(tensors)
+    layout = result.layout = layout_of(result)
+    if not layout.checked:
+        layout.memo["real"] = _check_each(result, arg, noun, in_place=True)
+        _check_disjoint(_reduced(result, layout), arg, noun)
+        layout.checked = True
+    result.reduced = _reduced(result, layout)
+    return result
+
+
+def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *, why: str) -> Checked:
+    """``fresh`` as a :class:`Checked`: new tensors made from ``originals`` (clones,
+    the results of a multi-tensor kernel over them), so of the same shapes, dtypes,
+    devices and strides at new addresses, each its own memory. Their layout is kept
+    with the originals' under ``why`` (how they were made), so that tensors made anew
+    at every step are checked and planned once, not at every call."""
+    result = Checked(fresh)
+
+    def made() -> Layout:
+        layout = Layout(fresh, plain=layout_of(originals).plain)
+        layout.memo["real"] = _check_each(fresh, "tensors", "tensor", in_place=True)
+        layout.checked = True  # fresh results: disjoint, never overlapping
+        return layout
+
+    layout = result.layout = layout_of(originals).derived(("like", why), made)
+    result.reduced = _reduced(fresh, layout)
+    return result
+
+
+def _reduced(tensors: list, layout: Layout) -> list[torch.Tensor]:
+    """``tensors`` as the collective writes them: the positions ``layout`` marked
+    (complex, DTensor) converted, the rest as they are."""
+    converted = layout.memo["real"]
+    if not converted:
+        return tensors
+    reduced = list(tensors)
+    for position in converted:
+        tensor = local_shard(reduced[position])
+        reduced[position] = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor
+    return reduced
+
+
 def checked_for_reduction(
     tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor", in_place: bool = True
 ) -> list[torch.Tensor]:
@@ -72,53 +163,57 @@ def checked_for_reduction(
         tensors: the tensors, in the order given.
         arg: the argument's name, for messages.
         noun: what an element is called in messages (``"leaf"`` for a pytree's leaves).
-        in_place: whether the mean will be written into the tensors. ``False`` (an
-            out-of-place mean, which may run under ``torch.func`` transforms, where
-            memory is not observable) skips the memory checks and returns the
-            tensors as they are, complex ones included.
+        in_place: whether the mean will be written into the tensors (then as
+            :func:`checked`). ``False`` (an out-of-place mean, which may run under
+            ``torch.func`` transforms, where memory is not observable) skips the
+            memory checks and returns the tensors as they are, complex ones included.
 
     Raises:
-        TypeError: an element is not a tensor, or has an integer, bool or float8 dtype.
-        ValueError: a sparse or meta tensor, overlapping elements, memory shared
-            between two tensors, or a DTensor with a ``Partial`` placement — naming
-            the tensor(s) and the reason.
+        as :func:`checked`.
     """
-    checked: list[torch.Tensor] = []
+    if in_place:
+        return checked(tensors, arg=arg, noun=noun).reduced
+    _check_each(tensors, arg, noun, in_place=False)
+    return list(tensors)
+
+
+def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: bool) -> tuple[int, ...]:
+    """Raise for the first tensor that cannot be reduced; return the positions that
+    the reduction converts (complex tensors and DTensors; ``in_place`` only)."""
+    converted = []
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"Arg ``{arg}`` must be a pytree of tensors; {noun} {position} is {type(tensor).__name__}: {tensor!r}."
             )
-        label = _label(noun, position, tensor)
-        check_not_pending(tensor, arg, label)
-        if in_place:
-            tensor = local_shard(tensor)  # a DTensor's own shard, written in place
-        if tensor.layout != torch.strided:
-            raise ValueError(f"Arg ``{arg}``: {label} has layout {tensor.layout}; only dense tensors can be averaged.")
-        if tensor.is_meta:
-            raise ValueError(f"Arg ``{arg}``: {label} is a meta tensor: it holds no values to average.")
-        if tensor.dtype in _FLOAT8:
+        check_not_pending(tensor, arg, lambda: _label(noun, position, tensor))
+        local = local_shard(tensor) if in_place else tensor
+        if local.layout != torch.strided:
+            raise ValueError(f"Arg ``{arg}``: {_label(noun, position, tensor)} has layout {local.layout}; only dense "
+                             "tensors can be averaged.")
+        if local.is_meta:
+            raise ValueError(f"Arg ``{arg}``: {_label(noun, position, tensor)} is a meta tensor: it holds no values "
+                             "to average.")
+        if local.dtype in _FLOAT8:
             raise TypeError(
-                f"Arg ``{arg}``: {label}: float8 cannot be summed portably by the backends; "
+                f"Arg ``{arg}``: {_label(noun, position, tensor)}: float8 cannot be summed portably by the backends; "
                 "average a bf16 or fp16 copy instead."
             )
-        if not (tensor.is_floating_point() or tensor.is_complex()):
+        if not (local.is_floating_point() or local.is_complex()):
             raise TypeError(
-                f"Arg ``{arg}``: {label}: averaging needs floating-point or complex tensors "
+                f"Arg ``{arg}``: {_label(noun, position, tensor)}: averaging needs floating-point or complex tensors "
                 "(the mean of integers or bools is not one of them)."
             )
         if not in_place:
-            checked.append(tensor)
             continue
-        if _may_overlap_itself(tensor):
+        if _may_overlap_itself(local):
             raise ValueError(
-                f"Arg ``{arg}``: {label} has overlapping elements (strides {tensor.stride()}, e.g. from "
-                "expand()): its mean cannot be written back; pass a contiguous copy."
+                f"Arg ``{arg}``: {_label(noun, position, tensor)} has overlapping elements (strides {local.stride()}, "
+                "e.g. from expand()): its mean cannot be written back; pass a contiguous copy."
             )
-        checked.append(torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor)
-    if in_place:
-        _check_disjoint(checked, arg, noun)
-    return checked
+        if local is not tensor or local.is_complex():
+            converted.append(position)
+    return tuple(converted)
 
 
 def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:

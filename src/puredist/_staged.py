@@ -19,11 +19,12 @@ has seen *every* collective succeed: all or nothing.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from puredist._buckets import Bucket, plan_buckets
+from puredist._layout import Layout, layout_of
 
 _ALIGN = 64  # bytes: every buffer in the pool starts on a cache line (and any dtype's alignment)
 
@@ -101,15 +102,66 @@ def nothing_changed(tensors: Sequence[torch.Tensor], what: str, cause: BaseExcep
     return CollectiveError(what, [0] * len(tensors), [t.numel() for t in tensors], None, 0, cause)
 
 
+class BucketSpec(NamedTuple):
+    """One bucket of a plan, with what its runs need, derived once per layout.
+
+    Attributes:
+        position: the bucket's index in the plan.
+        bucket: its pieces and size.
+        device, dtype: of every piece (a bucket holds one of each).
+        numels, shapes: of each piece's staging view (a whole tensor's shape; a cut
+            piece is flat).
+        cuts: ``(position in the bucket, tensor index, start, stop)`` of the pieces
+            that are cut out of a tensor (at most the first and the last).
+    """
+
+    position: int
+    bucket: Bucket
+    device: torch.device
+    dtype: torch.dtype
+    numels: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    cuts: tuple[tuple[int, int, int, int], ...]
+
+    def targets(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors (or flat ranges of them) this bucket's pieces are, in buffer order."""
+        targets = [tensors[piece.index] for piece in self.bucket.pieces]
+        for k, index, start, stop in self.cuts:
+            targets[k] = targets[k].detach().view(-1)[start:stop]
+        return targets
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a staging ``buffer`` shaped like the targets (written under ``no_grad``)."""
+        with torch.no_grad():
+            return [flat.view(shape) for flat, shape in zip(buffer.split(self.numels), self.shapes)]
+
+
+def bucket_specs(tensors: Sequence[torch.Tensor], plan: Sequence[Bucket]) -> tuple[BucketSpec, ...]:
+    """The :class:`BucketSpec` of each bucket of ``plan`` over ``tensors``."""
+    specs = []
+    for position, bucket in enumerate(plan):
+        first = tensors[bucket.pieces[0].index]
+        numels, shapes, cuts = [], [], []
+        for k, piece in enumerate(bucket.pieces):
+            tensor = tensors[piece.index]
+            whole = piece.start == 0 and piece.stop == tensor.numel()
+            numels.append(piece.stop - piece.start)
+            shapes.append(tuple(tensor.shape) if whole else (piece.stop - piece.start,))
+            if not whole:
+                cuts.append((k, piece.index, piece.start, piece.stop))
+        specs.append(BucketSpec(position, bucket, first.device, first.dtype, tuple(numels), tuple(shapes), tuple(cuts)))
+    return tuple(specs)
+
+
 class _Bucket:
     """One bucket's staging buffer, its collective, and how to write it back.
 
     Args:
-        position: the bucket's index in the plan.
-        bucket: the pieces the buffer holds.
+        spec: the bucket.
         tensors: the full tensor list the pieces index.
-        staging: gives the staging buffer (``bucket.nbytes`` bytes, the tensors'
-            dtype); not called for a bucket sent from the tensor's own storage.
+        staging: gives the staging buffer and its views (``spec.bucket.nbytes`` bytes,
+            the tensors' dtype); not called for a bucket sent from the tensor's own
+            storage.
         launch: starts the collective on the buffer.
         pack: copy the tensors' values into the buffer first (a broadcast receiver
             does not: the collective only writes it).
@@ -120,65 +172,69 @@ class _Bucket:
             failure: the backend may still hold it).
     """
 
-    def __init__(self, position: int, bucket: Bucket, tensors, staging: Callable[[], torch.Tensor], launch: Launch, *, pack: bool, scales: Scales, write_back: bool, release=None):
-        self.position = position
-        self.bucket = bucket
-        self._targets = [_piece_of(tensors[p.index], p) for p in bucket.pieces]
+    def __init__(self, spec: BucketSpec, tensors, staging: Callable[[], tuple[torch.Tensor, list]], launch: Launch, *,
+                 pack: bool, scales: Scales, write_back: bool, release=None):
+        self.spec = spec
+        self._targets = spec.targets(tensors)
         scale_before, self._scale_after = scales(self._targets[0])
         self._write_back = write_back
         self._release = release
         self._staging = None
         if pack and not write_back and scale_before is None and len(self._targets) == 1 and self._targets[0].is_contiguous():
             buffer, pack = self._targets[0].view(-1), False  # a source only reads: send from its own storage
+            self._views = None
         else:
-            buffer = self._staging = staging()
-        self._views = [view.view(target.shape) for view, target in zip(buffer.split([t.numel() for t in self._targets]), self._targets)]
+            buffer, self._views = staging()
+            self._staging = buffer
         self._buffer = buffer
         if pack:
-            torch._foreach_copy_(self._views, self._targets)
+            with torch.no_grad():  # the staging views are multiple views of one buffer
+                torch._foreach_copy_(self._views, self._targets)
             if scale_before is not None:
                 buffer.div_(scale_before)
         self._work = launch(buffer)
+
+    @property
+    def position(self) -> int:
+        return self.spec.position
 
     def wait(self) -> None:
         """Block until the collective is done (raises what the backend raised)."""
         self._work.wait()
 
     def write_back(self) -> None:
-        """Copy the result into the tensors (dividing on the way), then let go of
-        the buffer."""
-        if self._write_back and self._scale_after is not None:
-            for target, view in zip(self._targets, self._views):
-                torch.div(view, self._scale_after, out=target)
-        elif self._write_back:
-            torch._foreach_copy_(self._targets, self._views)
+        """Copy the result into the tensors (dividing the buffer first, once), then
+        let go of the buffer."""
+        if self._write_back:
+            if self._scale_after is not None:
+                self._buffer.div_(self._scale_after)
+            with torch.no_grad():
+                torch._foreach_copy_(self._targets, self._views)
         if self._release is not None and self._staging is not None:
             self._release(self._staging)
-        self._buffer = self._views = self._work = self._staging = None
-
-
-def _piece_of(tensor: torch.Tensor, piece) -> torch.Tensor:
-    tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        return tensor  # never cut: the piece is the whole tensor
-    return tensor.view(-1)[piece.start : piece.stop]
+        self._buffer = self._views = self._work = self._staging = self._targets = None
 
 
 class _Progress:
-    """How many leading elements of each tensor hold the result so far."""
+    """How many buckets, in plan order, hold their result so far; the elements of
+    each tensor they cover are counted only for an error."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], what: str, buckets: int) -> None:
-        self.totals = [t.numel() for t in tensors]
-        self.completed = [0] * len(tensors)
+    def __init__(self, specs: Sequence[BucketSpec], numels: Callable[[], list[int]], what: str) -> None:
+        self.specs = specs
+        self.numels = numels
         self.what = what
-        self.buckets = buckets
+        self.done = 0
 
-    def written(self, bucket: Bucket) -> None:
-        for piece in bucket.pieces:
-            self.completed[piece.index] += piece.stop - piece.start
+    def written(self) -> None:
+        self.done += 1
 
     def error(self, failed_bucket: int | None, cause: BaseException) -> CollectiveError:
-        return CollectiveError(self.what, self.completed, self.totals, failed_bucket, self.buckets, cause)
+        totals = self.numels()
+        completed = [0] * len(totals)
+        for spec in self.specs[: self.done]:
+            for piece in spec.bucket.pieces:
+                completed[piece.index] += piece.stop - piece.start
+        return CollectiveError(self.what, completed, totals, failed_bucket, len(self.specs), cause)
 
 
 class CollectiveHandle:
@@ -222,7 +278,7 @@ class CollectiveHandle:
                 raise self._error from cause
         for bucket, progress in self._staged:
             bucket.write_back()
-            progress.written(bucket.bucket)
+            progress.written()
         self._staged = []
 
 
@@ -244,6 +300,7 @@ class StagingPool:
         self._head: dict[torch.device, int] = {}
         self._spare: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._spare_bytes = 0
+        self._views: dict[tuple[int, int], tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
 
     def take(self, nbytes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for an asynchronous run: a spare one of that size if kept (a fresh
@@ -267,12 +324,27 @@ class StagingPool:
         size = min(_aligned(nbytes), self.capacity)
         if device not in self._memory or self._memory[device].numel() < size:
             self._memory[device] = torch.empty(size, dtype=torch.uint8, device=device)
-            self._head[device] = 0
+            self._views = {}
+        self._head[device] = 0  # a blocking run starts when the last one has finished: it starts the ring anew
         return self._memory[device].numel()
 
     def abandon(self) -> None:
         """Forget the buffers (a failed run's collectives may still write into them)."""
-        self._memory, self._head = {}, {}
+        self._memory, self._head, self._views = {}, {}, {}
+
+    def staged(self, spec: BucketSpec, offset: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The buffer at ``offset`` for ``spec``'s bucket and its views shaped like the
+        bucket's targets: made at the first run of a layout, then reused (a blocking
+        run places the same plan at the same offsets every time)."""
+        cached = self._views.get((id(spec), offset))
+        if cached is not None and cached[0] is spec:
+            return cached[1], cached[2]
+        buffer = self.buffer(spec.device, offset, spec.bucket.nbytes, spec.dtype)
+        views = spec.views(buffer)
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views = {}
+        self._views[(id(spec), offset)] = (spec, buffer, views)
+        return buffer, views
 
     def place(self, nbytes: int, device: torch.device, busy: Sequence[tuple[torch.device, int, int]]) -> int | None:
         """The offset where ``nbytes`` fits on ``device`` without overlapping ``busy``
@@ -289,6 +361,10 @@ class StagingPool:
         return self._memory[device][offset : offset + nbytes].view(dtype)
 
 
+_MAX_CACHED_VIEWS = 4096
+"""Buckets whose staging views a pool keeps (the spec is kept with them, so its id stays its own)."""
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -298,6 +374,7 @@ def run_staged(
     bucket_cap_bytes: int,
     launch: Launch,
     *,
+    layout: Layout | None = None,
     what: str,
     async_op: bool,
     pack: bool,
@@ -313,6 +390,8 @@ def run_staged(
         tensors: checked tensors (dense, real, disjoint), the same layouts on every rank.
         bucket_cap_bytes: the staging memory of a blocking run.
         launch: starts one bucket's asynchronous collective.
+        layout: their :class:`~puredist._layout.Layout`, which keeps the plan (``None``:
+            looked up).
         what: the operation, for errors.
         async_op: return a handle instead of blocking.
         pool: the staging memory.
@@ -328,27 +407,27 @@ def run_staged(
         CollectiveError: (blocking runs) a collective failed; the error says which
             elements hold the result.
     """
-    plan = plan_buckets(tensors, max(1, bucket_cap_bytes // 2), alone_from=alone_from)
-    progress = _Progress(tensors, what, len(plan))
+    bucket_bytes = max(1, bucket_cap_bytes // 2)
+    layout = layout if layout is not None else layout_of(tensors)
+    specs = layout.derived(
+        ("buckets", bucket_bytes, alone_from),
+        lambda: bucket_specs(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from)),
+    )
+    progress = _Progress(specs, lambda: [t.numel() for t in tensors], what)
     options = dict(pack=pack, scales=scales, write_back=write_back)
-
-    def staged(position: int, staging: Callable[[], torch.Tensor], release=None) -> _Bucket:
-        return _Bucket(position, plan[position], tensors, staging, launch, **options, release=release)
 
     if async_op:
         launched: list[tuple[_Bucket, _Progress]] = []
-        for position, bucket in enumerate(plan):
-            first = tensors[bucket.pieces[0].index]
-            take = lambda b=bucket, t=first: pool.take(b.nbytes, t.device, t.dtype)  # noqa: E731
+        for spec in specs:
+            def take(spec=spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                buffer = pool.take(spec.bucket.nbytes, spec.device, spec.dtype)
+                return buffer, spec.views(buffer)
             try:
-                launched.append((staged(position, take, pool.give_back), progress))
+                launched.append((_Bucket(spec, tensors, take, launch, **options, release=pool.give_back), progress))
             except Exception as cause:  # noqa: BLE001 - nothing was written: say so
-                raise progress.error(position, cause) from cause
+                raise progress.error(spec.position, cause) from cause
         return CollectiveHandle(launched)
-    needed: dict[torch.device, int] = {}
-    for bucket in plan:
-        device = tensors[bucket.pieces[0].index].device
-        needed[device] = needed.get(device, 0) + _aligned(bucket.nbytes)
+    needed = layout.derived(("staging bytes", bucket_bytes, alone_from), lambda: _staging_bytes(specs))
     room = {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()}
     pending: deque[tuple[_Bucket, tuple[torch.device, int, int]]] = deque()
 
@@ -363,30 +442,38 @@ def run_staged(
         except Exception as cause:  # noqa: BLE001 - re-raised with what was left
             raise failed(bucket.position, cause) from cause
         bucket.write_back()
-        progress.written(bucket.bucket)
+        progress.written()
 
-    for position, bucket in enumerate(plan):
-        first = tensors[bucket.pieces[0].index]
-        oversized = bucket.nbytes > room[first.device]  # one non-contiguous tensor larger than the cap
+    for spec in specs:
+        nbytes = spec.bucket.nbytes
+        oversized = nbytes > room[spec.device]  # one non-contiguous tensor larger than the cap
         while True:  # wait for room: in the pool, or (oversized) for everything in flight
-            offset = None if oversized else pool.place(bucket.nbytes, first.device, [r for _, r in pending])
+            offset = None if oversized else pool.place(nbytes, spec.device, [r for _, r in pending])
             if offset is not None or (oversized and not pending):
                 break
             finish_oldest()
         try:
             if oversized:
-                take, region = (lambda b=bucket: _fresh_buffer(b, tensors)), (first.device, 0, 0)
+                take, region = (lambda spec=spec: _fresh_buffer(spec)), (spec.device, 0, 0)
             else:
-                take = lambda o=offset, b=bucket, t=first: pool.buffer(t.device, o, b.nbytes, t.dtype)  # noqa: E731
-                region = (first.device, offset, offset + bucket.nbytes)
-            pending.append((staged(position, take), region))
+                take = lambda spec=spec, offset=offset: pool.staged(spec, offset)  # noqa: E731
+                region = (spec.device, offset, offset + nbytes)
+            pending.append((_Bucket(spec, tensors, take, launch, **options), region))
         except Exception as cause:  # noqa: BLE001 - packing or launching failed: say what was left
-            raise failed(position, cause) from cause
+            raise failed(spec.position, cause) from cause
     while pending:
         finish_oldest()
     return None
 
 
-def _fresh_buffer(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    first = tensors[bucket.pieces[0].index]
-    return torch.empty(bucket.nbytes // first.element_size(), dtype=first.dtype, device=first.device)
+def _staging_bytes(specs: Sequence[BucketSpec]) -> dict[torch.device, int]:
+    """The staging memory per device that a blocking run of ``specs`` would use at most."""
+    needed: dict[torch.device, int] = {}
+    for spec in specs:
+        needed[spec.device] = needed.get(spec.device, 0) + _aligned(spec.bucket.nbytes)
+    return needed
+
+
+def _fresh_buffer(spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    buffer = torch.empty(spec.bucket.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=spec.device)
+    return buffer, spec.views(buffer)

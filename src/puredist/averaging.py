@@ -22,7 +22,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import torch
 
-from puredist._inputs import checked_for_reduction
+from puredist._inputs import checked, checked_for_reduction
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
     check_hierarchy_group_sizes,
@@ -55,9 +55,13 @@ class Averager(NamedTuple):
 
 def _float_leaves(params: PyTree, *, in_place: bool) -> tuple[list[torch.Tensor], object]:
     """The leaves of ``params`` and its spec, checked to be averageable (every step,
-    averaging or not, so bad input is found at once)."""
+    averaging or not, so bad input is found at once; in place, once per layout: the
+    leaves come as a :class:`~puredist._inputs.Checked` list, which a collective
+    takes without checking again)."""
     leaves, spec = tree_flatten(params)
-    checked_for_reduction(leaves, arg="params", noun="leaf", in_place=in_place)
+    if in_place:
+        return checked(leaves, arg="params", noun="leaf"), spec
+    checked_for_reduction(leaves, arg="params", noun="leaf", in_place=False)
     return leaves, spec
 
 

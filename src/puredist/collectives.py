@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, exchange, make_twins
-from puredist._inputs import checked_for_reduction
+from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
 from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
 
@@ -146,7 +146,7 @@ class _AllReduceMean(torch.autograd.Function):
     @staticmethod
     def forward(collective: "DistributedCollective", group_size: int | None, context: str, *tensors: torch.Tensor):
         copies = [t.detach().clone() for t in tensors]
-        collective.mean_(copies, group_size=group_size, context=context)
+        collective.mean_(checked_like(tensors, copies, why="clone"), group_size=group_size, context=context)
         return tuple(copies)
 
     @staticmethod
@@ -181,6 +181,17 @@ def _runs_eagerly(method):
         return method(*args, **kwargs)
 
     return runs_eagerly
+
+
+class _WithOptions(NamedTuple):
+    """A rank-check context with the collective's own options before it, formatted
+    only when the check runs (the caller's context may be a lazily formatted object)."""
+
+    options: str
+    context: object
+
+    def __str__(self) -> str:
+        return f"{self.options}; {self.context}" if str(self.context) else self.options
 
 
 class DistributedCollective:
@@ -227,6 +238,7 @@ class DistributedCollective:
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
         self._pool = StagingPool(bucket_cap_bytes)
+        self._options = f"bucket_cap_bytes={bucket_cap_bytes}"
         if check_consistency and self.process_group is dist.group.WORLD:  # every rank builds it: a device-only
             # world gets its Gloo twin for the check
             make_twins([range(dist.get_world_size())], like=self.process_group)
@@ -337,17 +349,14 @@ class DistributedCollective:
             CollectiveError: an all-reduce failed (a peer died, a timeout); every
                 element holds its old value or its mean, as the error details.
         """
-        reduced = checked_for_reduction(tensors)
+        given = checked(tensors)
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
-        return self._average_over(group, list(tensors), reduced, async_op=async_op, context=context)
+        return self._average_over(group, given, async_op=async_op, context=context)
 
-    def _average_over(
-        self, group: dist.ProcessGroup, given: list[torch.Tensor], reduced: list[torch.Tensor], *, async_op: bool, context: str
-    ) -> CollectiveHandle | None:
-        """:meth:`mean_` over ``group`` once the arguments are checked (``given`` as
-        passed, ``reduced`` their checked local tensors), at any group size."""
+    def _average_over(self, group: dist.ProcessGroup, given: Checked, *, async_op: bool, context: str) -> CollectiveHandle | None:
+        """:meth:`mean_` over ``group`` once the tensors are checked, at any group size."""
         size = dist.get_world_size(group)
         # the tensors as passed: a DTensor's sharding is part of the check
         self._check_same(given, group, context=context, what="one averaging all-reduce")
@@ -363,7 +372,7 @@ class DistributedCollective:
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
         return run_staged(
-            reduced, self.bucket_cap_bytes, launch,
+            given.reduced, self.bucket_cap_bytes, launch, layout=given.layout,
             what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
         )
 
@@ -388,16 +397,20 @@ class DistributedCollective:
         unless all pass tensors of the same layouts and the same ``context`` (one
         small all-gather; skipped when ``check_consistency`` is off)."""
         if self._is_member and self._world_size > 1:
-            self._check_same(list(tensors), self.process_group, context=context, what=what)
+            self._check_same(tensors, self.process_group, context=context, what=what)
 
-    def _check_same(self, tensors: list[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str) -> None:
-        """The rank check; if its own collective fails (a peer is gone), a
+    def _check_same(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str) -> None:
+        """The rank check, with this collective's options that shape the messages
+        (the bucket cap); if its own collective fails (a peer is gone), a
         :class:`CollectiveError` saying that nothing was changed."""
         if not self.check_consistency:
             return
         over, device = exchange(group)
+        layout = tensors.layout if isinstance(tensors, Checked) else None
         try:
-            check_same_tensors_on_all_ranks(tensors, over, device=device, context=context, what=what)
+            check_same_tensors_on_all_ranks(
+                tensors, over, layout=layout, device=device, context=_WithOptions(self._options, context), what=what
+            )
         except RankMismatchError:
             raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
@@ -414,7 +427,7 @@ class DistributedCollective:
         if not self._is_member or self._world_size == 1:
             return
         group = self.process_group
-        self._check_same(list(tensors), group, context=context, what=what)
+        self._check_same(tensors, group, context=context, what=what)
         over, device = exchange(group)
         digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
@@ -448,14 +461,14 @@ class DistributedCollective:
             CollectiveError: a broadcast failed; every element holds its old value
                 or ``src``'s, as the error details.
         """
-        tensors = checked_for_reduction(tensors)
+        given = checked(tensors)
         if not self._is_member or self._world_size == 1:
             return CollectiveHandle() if async_op else None
         group = self.process_group
         is_source = dist.get_rank(group) == src
         global_src = dist.get_global_rank(group, src)
         return run_staged(
-            tensors,
+            given.reduced,
             self.bucket_cap_bytes,
             lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True),
             what=f"Broadcast from rank {src}",
@@ -464,6 +477,7 @@ class DistributedCollective:
             pack=is_source,
             write_back=not is_source,
             alone_from=BROADCAST_IN_PLACE_MIN_BYTES,
+            layout=given.layout,
         )
 
 

@@ -209,7 +209,7 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> b
     for position, leaf in enumerate(leaves):
         if not leaf.is_floating_point():
             raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
-        check_not_pending(leaf, "params", f"leaf {position}")
+        check_not_pending(leaf, "params", lambda: f"leaf {position}")
     simulated = isinstance(collective, SimulatedCollective)
     if not simulated and not isinstance(collective, DistributedCollective):
         raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")

@@ -43,8 +43,8 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._inputs import is_transformed
-from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
+from puredist._inputs import is_transformed, transforms_active
+from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
 
 class SGDParamState(NamedTuple):
@@ -96,11 +96,21 @@ the states' tensors; ``traced``: single-tensor kernels in their differentiable f
 (no host reads of the step count), recorded by autograd and functorch."""
 
 
-def _traced(tensors: Sequence[torch.Tensor], differentiable: bool) -> bool:
-    """Whether the update must be recorded: a tensor is wrapped by a ``torch.func``
-    transform (``grad``, ``vmap``, ...), or the optimizer is ``differentiable``, autograd
-    is on and a tensor requires grad."""
-    return any(is_transformed(t) or (differentiable and t.requires_grad and torch.is_grad_enabled()) for t in tensors)
+def _traced(tensors: Callable[[], list[torch.Tensor]], differentiable: bool) -> bool:
+    """Whether the update must be recorded: a tensor of ``tensors()`` is wrapped by a
+    ``torch.func`` transform (``grad``, ``vmap``, ...), or the optimizer is
+    ``differentiable``, autograd is on and a tensor requires grad. ``tensors`` is called
+    only where that can be (no transform running, autograd off: no pass over them)."""
+    if transforms_active() and any(map(is_transformed, tensors())):
+        return True
+    return differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors())
+
+
+def _fused_here(fused: bool | None, traced: bool) -> bool | None:
+    """``fused`` where torch's fused kernel can run: not in a recorded step (it has no
+    differentiable form), nor while ``torch.compile`` traces (the kernel is opaque to
+    the compiler, which fuses torch's multi-tensor form itself)."""
+    return False if traced or torch.compiler.is_compiling() else fused
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -136,7 +146,7 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
     _check_counted(states, why)
-    if any(is_transformed(s.step) for s in states):
+    if transforms_active() and any(is_transformed(s.step) for s in states):
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
@@ -200,24 +210,50 @@ def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name:
         )
 
 
-def _clone_state(state: NamedTuple) -> NamedTuple:
-    return type(state)(*(None if t is None else t.clone() for t in state))
+def copies(tensors: Sequence[torch.Tensor], *, recorded: bool = False) -> list[torch.Tensor]:
+    """Fresh copies of ``tensors`` (values, bits and strides): one multi-tensor kernel
+    on a GPU, where a clone per tensor would cost a launch and the host's time for
+    each. ``recorded``: clones that autograd and ``torch.func`` transforms record."""
+    if recorded:
+        return [t.clone() for t in tensors]
+    with torch.no_grad():
+        if len(tensors) > 1 and all(t.is_cuda for t in tensors):
+            return list(torch._foreach_mul(tensors, 1))  # x * 1 is x exactly: -0.0, inf and subnormals too
+        return [t.clone() for t in tensors]
+
+
+def clone_states(states: Sequence[NamedTuple], *, recorded: bool = False) -> list[NamedTuple]:
+    """Copies of per-parameter states (NamedTuples of one kind), field by field
+    (``recorded``: as for :func:`copies`)."""
+    if not states:
+        return []
+    columns = []
+    for column in zip(*states):
+        if all(t is None for t in column):
+            columns.append(column)
+        elif all(t is not None for t in column):
+            columns.append(copies(column, recorded=recorded))
+        else:
+            columns.append([None if t is None else t.clone() for t in column])
+    return [type(state)(*row) for state, row in zip(states, zip(*columns))]
 
 
 def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     """``state``'s per-parameter states in leaf order. ``state`` is shaped like the
     params tree (as ``init`` returns it) or, as ZeRO and the outer optimizer pass
-    their sub-lists, a flat sequence of per-parameter states."""
-    try:
-        states = spec.flatten_up_to(state)
-    except (ValueError, TypeError) as error:
-        flat = isinstance(state, (tuple, list)) and all(isinstance(s, _PARAM_STATES) for s in state)
-        if not flat:
-            raise ValueError(
-                f"Arg ``state`` must be shaped like ``params`` ({count} parameters), as init returns it; got "
-                f"{type(state).__name__}: {error}"
-            ) from error
+    their sub-lists, a flat sequence of per-parameter states (told apart by type, with
+    no exception on the way: this runs at every step)."""
+    flat = isinstance(state, (tuple, list)) and not isinstance(state, _PARAM_STATES)
+    if flat and all(isinstance(s, _PARAM_STATES) for s in state):
         states = list(state)
+    else:
+        try:
+            states = spec.flatten_up_to(state)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"Arg ``state`` must be shaped like ``params`` ({count} parameters, structure {spec}), as init "
+                f"returns it; got a {type(state).__name__} that is not."
+            ) from error
     if len(states) != count or not all(isinstance(s, _PARAM_STATES) for s in states):
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
     return states
@@ -247,8 +283,8 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         return tree_unflatten(spec, stepped_in_place(leaves, spec.flatten_up_to(grads), _per_leaf(spec, state, len(leaves))))
 
     def stepped_in_place(leaves: list, grad_leaves: list, states: list) -> list:
-        with torch.no_grad():
-            return stepped([leaf.detach() for leaf in leaves], grad_leaves, states, False)
+        with torch.no_grad():  # as torch.optim steps its parameters (no detached views made)
+            return stepped(leaves, grad_leaves, states, False)
 
     def update(params: PyTree, grads: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
         """Pure: ``(new params, new state)``; the inputs are not modified; the new
@@ -261,13 +297,20 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         states = _per_leaf(spec, state, len(leaves))
-        cloned = [_clone_state(s) for s in states]  # the inputs' state tensors are never handed out
-        state_tensors = [t for s in states for t in s if isinstance(t, torch.Tensor)]
-        if not _traced([*leaves, *(g for g in grad_leaves if g is not None), *state_tensors], differentiable):
-            copies = clone_leaves(leaves)
-            return tree_unflatten(spec, copies), tree_unflatten(spec, stepped_in_place(copies, grad_leaves, cloned))
-        copies = [leaf.clone() for leaf in leaves]  # recorded: the update is differentiable
-        return tree_unflatten(spec, copies), tree_unflatten(spec, stepped(copies, grad_leaves, cloned, True))
+        traced = _traced(
+            lambda: [*leaves, *(g for g in grad_leaves if g is not None),
+                     *(t for s in states for t in s if isinstance(t, torch.Tensor))],
+            differentiable,
+        )
+        cloned = clone_states(states, recorded=traced)  # the inputs' state tensors are never handed out
+        if not traced:
+            new = copies(leaves)
+            for copy, leaf in zip(new, leaves):
+                if leaf.requires_grad:
+                    copy.requires_grad_()
+            return tree_unflatten(spec, new), tree_unflatten(spec, stepped_in_place(new, grad_leaves, cloned))
+        new = copies(leaves, recorded=True)  # the update is differentiable
+        return tree_unflatten(spec, new), tree_unflatten(spec, stepped(new, grad_leaves, cloned, True))
 
     return Optimizer(init, update, update_)
 
@@ -350,7 +393,7 @@ def sgd(
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
         _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
-                    foreach=False if traced else foreach, fused=False if traced else fused,
+                    foreach=False if traced else foreach, fused=_fused_here(fused, traced),
                     weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
@@ -401,7 +444,7 @@ def _adam_family(
             [s.max_exp_avg_sq for s in states] if amsgrad else [],
             [s.step for s in states],
             foreach=False if traced else foreach,
-            fused=False if traced else fused,
+            fused=_fused_here(fused, traced),
             differentiable=traced,
             has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,

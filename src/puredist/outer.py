@@ -58,12 +58,12 @@ import torch
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
 from puredist._dtensors import is_dtensor, like, local_shard
-from puredist._inputs import is_transformed
+from puredist._inputs import Checked, checked_like, is_transformed, transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, CollectiveHandle
 from puredist.compression import Compressor, compressed_mean
 from puredist.replicas import VmapCollective
-from puredist.optim import Optimizer, _clone_state
+from puredist.optim import Optimizer, clone_states, copies
 from puredist.schedules import hierarchical_schedule
 
 
@@ -91,6 +91,17 @@ def _fetched(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     for stream in streams:
         stream.synchronize()
     return [t.to(device=g.device, dtype=g.dtype) for t, g in zip(staged, targets)]
+
+
+class _SyncContext(NamedTuple):
+    """The rank-check context of one synchronization, formatted only when checked."""
+
+    config: str
+    fragment: int
+    start_step: int
+
+    def __str__(self) -> str:
+        return f"{self.config} sync of fragment {self.fragment} started at step {self.start_step}"
 
 
 class InFlight(NamedTuple):
@@ -244,7 +255,13 @@ def outer_optimizer(
     def layout(leaves: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
         if fragments > len(leaves):
             raise ValueError(f"Arg ``fragments`` {fragments} exceeds the {len(leaves)} parameter leaves.")
+        if isinstance(leaves, Checked):  # the same leaves every step: cut once
+            return leaves.layout.derived(("fragments", fragments), lambda: layout(list(leaves)))
         return split_fragments([leaf.numel() for leaf in leaves], fragments)
+
+    # where the global copy is the parameters' own device and dtype and is sent as it is, the pseudo-gradients
+    # and the write-back are multi-tensor kernels over whole fragments (else one conversion per leaf)
+    same_place = global_device is None and global_dtype is None and comm_dtype is None and compressor is None
 
     def init(params: PyTree) -> OuterState:
         """Step 0: a copy of ``params`` as the global copy, fresh outer-optimizer state."""
@@ -290,10 +307,16 @@ def outer_optimizer(
         """Start ``fragment``'s synchronization; with a compressor it completes here,
         and its residuals in ``residuals`` are replaced."""
         with torch.no_grad():
-            pseudo = tuple(pseudo_gradient(state.global_params[i], leaves[i].detach()) for i in indices)
-            snapshot = tuple(leaves[i].detach().clone() for i in indices) if delay else ()
+            locals_ = [leaves[i] for i in indices]
+            if same_place and leaves.layout.plain:
+                globals_ = [state.global_params[i] for i in indices]
+                pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why="foreach_sub")
+            else:
+                pseudo = tuple(pseudo_gradient(state.global_params[i], leaves[i].detach()) for i in indices)
+            snapshot = tuple(copies(locals_)) if delay else ()
             if compressor is None:
-                return InFlight(state.step + delay, fragment, pseudo, snapshot, issue(pseudo, state.step, fragment, collective))
+                handle = issue(pseudo, state.step, fragment, collective)
+                return InFlight(state.step + delay, fragment, tuple(pseudo), snapshot, handle)
             context = f"{config} sync of fragment {fragment} started at step {state.step}"
             means, left = compressed_mean(list(pseudo), tuple(residuals[i] for i in indices), compressor, collective,
                                           context=context)
@@ -302,12 +325,18 @@ def outer_optimizer(
         return InFlight(state.step + delay, fragment, tuple(means), snapshot, CollectiveHandle())
 
     def issue(pseudo, start_step: int, fragment: int, collective: Collective) -> CollectiveHandle:
-        context = f"{config} sync of fragment {fragment} started at step {start_step}"
-        return collective.mean_(list(pseudo), async_op=True, context=context)
+        """Average ``pseudo`` in place: in the background with a delay, else at once
+        (bounded staging memory; a failure raises here, before anything is applied)."""
+        context = _SyncContext(config, fragment, start_step)
+        if delay:
+            return collective.mean_(pseudo, async_op=True, context=context)
+        collective.mean_(pseudo, context=context)
+        return CollectiveHandle()
 
     def apply(leaves, global_params: list, outer_state: list, item: InFlight, indices) -> None:
         targets = [global_params[i] for i in indices]
-        grads = _fetched(item.pseudo_grads, targets)
+        fast = same_place and leaves.layout.plain
+        grads = list(item.pseudo_grads) if fast else _fetched(item.pseudo_grads, targets)
         with torch.no_grad():
             if is_first_sync(item.fragment, item.apply_step - delay):
                 # the fragment's first synchronization only establishes the synchronized
@@ -318,6 +347,14 @@ def outer_optimizer(
                 stepped = outer.update_(targets, grads, tuple(outer_state[i] for i in indices))
                 for k, i in enumerate(indices):
                     outer_state[i] = stepped[k]
+            if fast:
+                locals_ = [leaves[i] for i in indices]
+                if item.snapshot:  # keep the local progress made while the all-reduce ran
+                    torch._foreach_sub_(locals_, item.snapshot)
+                    torch._foreach_add_(locals_, targets)
+                else:
+                    torch._foreach_copy_(locals_, targets)
+                return
             for k, i in enumerate(indices):
                 local = leaves[i].detach()
                 # from a pinned host copy without blocking: the host writes it again only after
@@ -436,7 +473,7 @@ def outer_optimizer(
         transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
         out of place and differentiably, for ``delay=0`` without a compressor; the
         state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it)."""
-        if any(is_transformed(t) for t in tree_leaves(params)):
+        if transforms_active() and any(is_transformed(t) for t in tree_leaves(params)):
             return traced_update(params, state, collective)
         for item in state.in_flight:
             if item.handle.error is None:  # a failed one is issued again by update_
@@ -446,7 +483,7 @@ def outer_optimizer(
         cloned = OuterState(
             state.step,
             tuple(torch.empty_like(t, pin_memory=t.is_pinned()).copy_(t) for t in state.global_params),  # stays pinned
-            tuple(_clone_state(s) for s in state.outer_state),
+            tuple(clone_states(state.outer_state)),
             tuple(
                 item._replace(
                     pseudo_grads=tuple(t.clone() for t in item.pseudo_grads),

@@ -40,7 +40,7 @@ import torch
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import CollectiveHandle, DistributedCollective, SimulatedCollective
 from puredist.replicas import VmapCollective
-from puredist.optim import Optimizer, _clone_state
+from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 
 
@@ -222,7 +222,7 @@ def zero(optimizer: Optimizer) -> Zero:
             return mapped_update(params, grads, state, collective)
         leaves, spec = tree_flatten(params)
         copies = clone_leaves(leaves)
-        cloned = state._replace(owned=tuple(_clone_state(s) for s in state.owned))
+        cloned = state._replace(owned=tuple(clone_states(state.owned)))
         new_state = update_(copies, spec.flatten_up_to(grads), cloned, collective=collective)
         return tree_unflatten(spec, copies), new_state
 
