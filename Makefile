@@ -40,6 +40,8 @@ bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_zero.py
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_outer.py
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 bench_sharded.py
+	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_host.py
+	cd benchmarks && ../$(PY) bench_optim.py
 	$(PY) benchmarks/plan_balance.py
 	$(PY) benchmarks/bench_vmap_compile.py
 
@@ -48,7 +50,8 @@ gpu-check: test-gpu bench-gpu
 
 # The benchmarks on GPU 0: two ranks over Gloo (both on the one GPU), then one NCCL rank.
 # `make bench-gpu PY=python3` uses that machine's own torch (puredist from src/).
-RUN_GPU = cd benchmarks && PYTHONPATH=../src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY)) -m torch.distributed.run --standalone
+GPU_PY = cd benchmarks && PYTHONPATH=../src$(if $(PYTHONPATH),:$(PYTHONPATH)) $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
+RUN_GPU = $(GPU_PY) -m torch.distributed.run --standalone
 bench-gpu: $(NEEDS_VENV)
 	$(RUN_GPU) --nproc-per-node 2 bench_averaging.py --device cuda
 	$(RUN_GPU) --nproc-per-node 1 bench_averaging.py --device cuda --backend nccl
@@ -56,3 +59,5 @@ bench-gpu: $(NEEDS_VENV)
 	$(RUN_GPU) --nproc-per-node 1 bench_zero.py --device cuda --backend nccl
 	$(RUN_GPU) --nproc-per-node 2 bench_outer.py --device cuda
 	$(RUN_GPU) --nproc-per-node 1 bench_outer.py --device cuda --backend nccl
+	$(RUN_GPU) --nproc-per-node 1 bench_host.py --device cuda --backend nccl
+	$(GPU_PY) bench_optim.py --device cuda

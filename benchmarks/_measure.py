@@ -111,3 +111,27 @@ def peak_extra_device_bytes(fn: Callable[[], object]) -> int:
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.1f} MiB"
+
+
+def local_medians(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """:func:`interleaved_medians` for one process (no process group): median wall time
+    of each method over ``repeats`` interleaved rounds; with CUDA, until the GPU is done."""
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    device_work = torch.cuda.is_initialized()
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            _finish(device_work)
+            start = time.perf_counter()
+            fn()
+            _finish(device_work)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def llm_like_shapes(width: int, blocks: int = 24, vocab: int = 50304) -> list[tuple[int, ...]]:
+    """The parameter shapes of a GPT-like model in 291 tensors (24 blocks): token
+    embedding, per block two norms, attention (qkv, projection) and MLP (in, out) with
+    biases, and a final norm. ``width`` 608 gives about 137M parameters."""
+    block = [(width,), (width,), (3 * width, width), (3 * width,), (width, width), (width,),
+             (width,), (width,), (4 * width, width), (4 * width,), (width, 4 * width), (width,)]
+    return [(vocab, width), *[shape for _ in range(blocks) for shape in block], (width,), (width,)]

@@ -159,33 +159,30 @@ class _Bucket:
     Args:
         spec: the bucket.
         tensors: the full tensor list the pieces index.
-        staging: gives the staging buffer and its views (``spec.bucket.nbytes`` bytes,
-            the tensors' dtype); not called for a bucket sent from the tensor's own
-            storage.
+        staging: gives the staging buffer (``spec.bucket.nbytes`` bytes, the tensors'
+            dtype), its views and the call that releases it once it is written back
+            (not after a failure: the backend may still hold it) or ``None``; not
+            called for a bucket sent from the tensor's own storage.
         launch: starts the collective on the buffer.
         pack: copy the tensors' values into the buffer first (a broadcast receiver
             does not: the collective only writes it).
         scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
             ahead of the collective and by ``after`` once it is done (``None``: no).
         write_back: copy the result into the tensors (a broadcast source does not).
-        release: called with the staging buffer once it is written back (not after a
-            failure: the backend may still hold it).
     """
 
-    def __init__(self, spec: BucketSpec, tensors, staging: Callable[[], tuple[torch.Tensor, list]], launch: Launch, *,
-                 pack: bool, scales: Scales, write_back: bool, release=None):
+    def __init__(self, spec: BucketSpec, tensors, staging: Callable[[], tuple[torch.Tensor, list, object]],
+                 launch: Launch, *, pack: bool, scales: Scales, write_back: bool):
         self.spec = spec
         self._targets = spec.targets(tensors)
         scale_before, self._scale_after = scales(self._targets[0])
         self._write_back = write_back
-        self._release = release
-        self._staging = None
+        self._release = None
         if pack and not write_back and scale_before is None and len(self._targets) == 1 and self._targets[0].is_contiguous():
             buffer, pack = self._targets[0].view(-1), False  # a source only reads: send from its own storage
             self._views = None
         else:
-            buffer, self._views = staging()
-            self._staging = buffer
+            buffer, self._views, self._release = staging()
         self._buffer = buffer
         if pack:
             with torch.no_grad():  # the staging views are multiple views of one buffer
@@ -210,9 +207,9 @@ class _Bucket:
                 self._buffer.div_(self._scale_after)
             with torch.no_grad():
                 torch._foreach_copy_(self._targets, self._views)
-        if self._release is not None and self._staging is not None:
-            self._release(self._staging)
-        self._buffer = self._views = self._work = self._staging = self._targets = None
+        if self._release is not None:
+            self._release()
+        self._buffer = self._views = self._work = self._release = self._targets = None
 
 
 class _Progress:
@@ -287,7 +284,7 @@ class StagingPool:
     its pages in every time). Blocking runs share one buffer per device of at most
     ``capacity`` bytes, grown to what a call needs, handed out in issue order as a
     ring (buckets finish in issue order). Asynchronous runs :meth:`take` buffers of
-    their own and :meth:`give_back` them once written back; up to ``capacity`` bytes of
+    their own (:meth:`take`), given back once written back; up to ``capacity`` bytes of
     those are kept as spares. One pool serves one thread.
 
     After a failed run the buffers are dropped (the backend may still hold the failed
@@ -298,25 +295,30 @@ class StagingPool:
         self.capacity = _aligned(capacity)
         self._memory: dict[torch.device, torch.Tensor] = {}
         self._head: dict[torch.device, int] = {}
-        self._spare: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+        self._spare: dict[tuple[torch.device, int], list[_Spare]] = {}
         self._spare_bytes = 0
         self._views: dict[tuple[int, int], tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
 
-    def take(self, nbytes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for an asynchronous run: a spare one of that size if kept (a fresh
-        allocation faults its pages in every time), else a new one."""
-        spares = self._spare.get((device, nbytes))
+    def take(self, spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor], Callable[[], None]]:
+        """A buffer for an asynchronous run of ``spec``'s bucket, its views, and the
+        call that gives it back once written: a spare one of that size if kept (a fresh
+        allocation faults its pages in every time), with the views it had for this
+        bucket, else a new one."""
+        nbytes = spec.bucket.nbytes
+        spares = self._spare.get((spec.device, nbytes))
         if spares:
             self._spare_bytes -= nbytes
-            return spares.pop().view(dtype)
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype)
+            spare = spares.pop()
+        else:
+            spare = _Spare(torch.empty(nbytes, dtype=torch.uint8, device=spec.device))
+        return (*spare.staged(spec), lambda: self._give_back(spare))
 
-    def give_back(self, buffer: torch.Tensor) -> None:
+    def _give_back(self, spare: "_Spare") -> None:
         """Keep a buffer from :meth:`take` whose collective succeeded, for the next
         asynchronous run, while the spares stay within ``capacity`` bytes."""
-        nbytes = buffer.numel() * buffer.element_size()
+        nbytes = spare.memory.numel()
         if self._spare_bytes + nbytes <= self.capacity:
-            self._spare.setdefault((buffer.device, nbytes), []).append(buffer.view(torch.uint8))
+            self._spare.setdefault((spare.memory.device, nbytes), []).append(spare)
             self._spare_bytes += nbytes
 
     def reserve(self, nbytes: int, device: torch.device) -> int:
@@ -359,6 +361,25 @@ class StagingPool:
 
     def buffer(self, device: torch.device, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self._memory[device][offset : offset + nbytes].view(dtype)
+
+
+class _Spare:
+    """The staging memory of an asynchronous run, kept with its views per bucket."""
+
+    __slots__ = ("memory", "_views")
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory
+        self._views: dict[int, tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
+
+    def staged(self, spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cached = self._views.get(id(spec))
+        if cached is None or cached[0] is not spec:
+            buffer = self.memory.view(spec.dtype)
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views = {}
+            cached = self._views[id(spec)] = (spec, buffer, spec.views(buffer))
+        return cached[1], cached[2]
 
 
 _MAX_CACHED_VIEWS = 4096
@@ -419,11 +440,8 @@ def run_staged(
     if async_op:
         launched: list[tuple[_Bucket, _Progress]] = []
         for spec in specs:
-            def take(spec=spec) -> tuple[torch.Tensor, list[torch.Tensor]]:
-                buffer = pool.take(spec.bucket.nbytes, spec.device, spec.dtype)
-                return buffer, spec.views(buffer)
             try:
-                launched.append((_Bucket(spec, tensors, take, launch, **options, release=pool.give_back), progress))
+                launched.append((_Bucket(spec, tensors, lambda spec=spec: pool.take(spec), launch, **options), progress))
             except Exception as cause:  # noqa: BLE001 - nothing was written: say so
                 raise progress.error(spec.position, cause) from cause
         return CollectiveHandle(launched)
@@ -456,7 +474,7 @@ def run_staged(
             if oversized:
                 take, region = (lambda spec=spec: _fresh_buffer(spec)), (spec.device, 0, 0)
             else:
-                take = lambda spec=spec, offset=offset: pool.staged(spec, offset)  # noqa: E731
+                take = lambda spec=spec, offset=offset: (*pool.staged(spec, offset), None)  # noqa: E731
                 region = (spec.device, offset, offset + nbytes)
             pending.append((_Bucket(spec, tensors, take, launch, **options), region))
         except Exception as cause:  # noqa: BLE001 - packing or launching failed: say what was left
@@ -474,6 +492,6 @@ def _staging_bytes(specs: Sequence[BucketSpec]) -> dict[torch.device, int]:
     return needed
 
 
-def _fresh_buffer(spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _fresh_buffer(spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor], None]:
     buffer = torch.empty(spec.bucket.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=spec.device)
-    return buffer, spec.views(buffer)
+    return buffer, spec.views(buffer), None

@@ -36,6 +36,7 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` step for step.
 """
 
+import operator
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -80,6 +81,7 @@ class AdamParamState(NamedTuple):
 
 
 _PARAM_STATES = (SGDParamState, AdamParamState)
+_PARAM_STATE_TYPES = set(_PARAM_STATES)
 
 
 class Optimizer(NamedTuple):
@@ -111,6 +113,33 @@ def _fused_here(fused: bool | None, traced: bool) -> bool | None:
     differentiable form), nor while ``torch.compile`` traces (the kernel is opaque to
     the compiler, which fuses torch's multi-tensor form itself)."""
     return False if traced or torch.compiler.is_compiling() else fused
+
+
+def _sgd_foreach_here(foreach: bool | None, traced: bool) -> bool | None:
+    """SGD's multi-tensor choice: off in a recorded step (the for-loop kernel has the
+    differentiable form), on while ``torch.compile`` traces: inductor (torch 2.13, CPU)
+    miscompiles the for-loop kernel's ``param.add_(grad, alpha=-lr)`` in a graph that
+    also takes ``torch.func.grad`` (13.0 off after three steps of plain SGD); the
+    multi-tensor form compiles exactly (1e-7)."""
+    if traced:
+        return False
+    return True if torch.compiler.is_compiling() else foreach
+
+
+def _l2_while_compiling(params, grads, weight_decay: float, maximize: bool, traced: bool) -> tuple[list, float, bool]:
+    """``(grads, weight_decay, maximize)`` for torch's kernel. While ``torch.compile``
+    traces, the L2 term is added here, as one multi-tensor op in torch's own order
+    (negate for ``maximize``, then add ``weight_decay * param``), and the kernel gets
+    neither: inductor (torch 2.13, CPU) miscompiles the for-loop kernel's
+    ``grad.add(param, alpha=weight_decay)`` in a graph that also takes
+    ``torch.func.grad`` (0.2 off after one step); Adam's multi-tensor kernel does not
+    compile on the CPU (its step counts), so the for-loop kernel runs, with this term
+    taken out of it. Eagerly: as given."""
+    if traced or not weight_decay or not torch.compiler.is_compiling():
+        return grads, weight_decay, maximize
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    return torch._foreach_add(grads, params, alpha=weight_decay), 0.0, False
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -202,8 +231,10 @@ def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name:
     """Raise, naming the argument, before anything is stepped where torch's fused
     kernel would raise its own ``NotImplementedError`` from inside the step: it has no
     complex kernels."""
+    if not fused:
+        return
     complex_ = [i for i, p in enumerate(params) if p.is_complex()]
-    if fused and complex_:
+    if complex_:
         raise TypeError(
             f"Arg ``fused`` of {name}: torch's fused kernel takes no complex parameters (parameter {complex_[0]} "
             f"is {params[complex_[0]].dtype}); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
@@ -244,7 +275,7 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     their sub-lists, a flat sequence of per-parameter states (told apart by type, with
     no exception on the way: this runs at every step)."""
     flat = isinstance(state, (tuple, list)) and not isinstance(state, _PARAM_STATES)
-    if flat and all(isinstance(s, _PARAM_STATES) for s in state):
+    if flat and set(map(type, state)) <= _PARAM_STATE_TYPES:
         states = list(state)
     else:
         try:
@@ -254,7 +285,7 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
                 f"Arg ``state`` must be shaped like ``params`` ({count} parameters, structure {spec}), as init "
                 f"returns it; got a {type(state).__name__} that is not."
             ) from error
-    if len(states) != count or not all(isinstance(s, _PARAM_STATES) for s in states):
+    if len(states) != count or not set(map(type, states)) <= _PARAM_STATE_TYPES:
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
     return states
 
@@ -393,7 +424,7 @@ def sgd(
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
         _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
-                    foreach=False if traced else foreach, fused=_fused_here(fused, traced),
+                    foreach=_sgd_foreach_here(foreach, traced), fused=_fused_here(fused, traced),
                     weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
@@ -401,6 +432,8 @@ def sgd(
         for state in states:  # scheduled: one more update taken (in place, as Adam's kernel counts)
             if state.step is not None:
                 state.step.add_(1)
+        if all(map(operator.is_, buffers, [s.momentum_buffer for s in states])):
+            return list(states)  # every buffer was stepped in place (the usual case: no new state to build)
         return [SGDParamState(b if has_momentum else None, s.step) for b, s in zip(buffers, states)]
 
     def init_leaf(p: torch.Tensor) -> SGDParamState:
@@ -438,6 +471,9 @@ def _adam_family(
         return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
 
     def kernel(params, grads, states, traced, lr: float, weight_decay: float, betas) -> None:
+        maximize_here = maximize
+        if not decoupled:
+            grads, weight_decay, maximize_here = _l2_while_compiling(params, grads, weight_decay, maximize, traced)
         _adam_kernel(
             params, grads,
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
@@ -449,7 +485,7 @@ def _adam_family(
             has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
-            weight_decay=weight_decay, eps=eps, maximize=maximize,
+            weight_decay=weight_decay, eps=eps, maximize=maximize_here,
         )
 
     def run(params, grads, states, traced, lr, weight_decay, betas):

@@ -344,7 +344,7 @@ def outer_optimizer(
                 # starts from there (else all of warm-up would be one outer step)
                 torch._foreach_sub_(targets, grads)
             else:
-                stepped = outer.update_(targets, grads, tuple(outer_state[i] for i in indices))
+                stepped = outer.update_(targets, grads, [outer_state[i] for i in indices])
                 for k, i in enumerate(indices):
                     outer_state[i] = stepped[k]
             if fast:

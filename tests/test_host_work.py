@@ -1,0 +1,207 @@
+"""Host work per call grows with buckets, not with leaves (counted, not timed).
+
+On a GPU the bytes move at TB/s and what the user waits for is the host: a Python
+loop over leaves, a tensor formatted into a string (each one reads values back: a
+host synchronization), an exception raised and caught on the way. These tests count
+that work on 2 Gloo ranks, at steady state (after a first call, which checks and
+plans a layout once):
+
+- operations dispatched to torch (a ``TorchDispatchMode``) and Python function calls
+  (``sys.setprofile``: comprehensions and generators count once per resumption) are
+  the same for 8 leaves and for 64 leaves that fit the same bucket (a delayed DiLoCo
+  synchronization is left out: on a CPU its snapshot of the local parameters is a
+  clone per leaf, one multi-tensor kernel on a GPU);
+- no tensor is formatted and no exception is raised inside puredist, over every
+  public path that runs per step (the CPU counterpart of the CUDA suite's check for
+  host synchronizations).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import puredist
+from workers import run_workers
+
+SMALL, LARGE = 8, 64  # leaves of 4 elements: one bucket either way
+
+
+class _CountingDispatch(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _python_calls(fn) -> int:
+    """Python calls made by puredist's code during ``fn()``: into puredist's functions
+    or from them (a NamedTuple's constructor, a comprehension, a library function),
+    not the ones torch's own kernels make (its optimizers have loops of their own)."""
+    calls = 0
+
+    def ours(frame) -> bool:
+        return frame is not None and "/puredist/" in frame.f_code.co_filename
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and (ours(frame) or ours(frame.f_back)):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _paths(leaves: int):
+    """``{name: call}`` of the per-step paths over ``leaves`` parameters, each a
+    closure that keeps its state; every call averages or synchronizes."""
+    params = [torch.nn.Parameter(torch.full((4,), float(i))) for i in range(leaves)]
+    grads = [torch.ones(4) for _ in range(leaves)]
+    collective = puredist.DistributedCollective()
+    averager = puredist.hierarchical_averager({1: 2})
+    diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
+    streaming = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, fragments=2)
+    sgd = puredist.sgd(1e-3, momentum=0.9, foreach=True)
+    states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
+              "sgd": sgd.init(params)}
+
+    def run(name, update):
+        def call():
+            states[name] = update(states[name])
+        return call
+
+    return {
+        "average_": lambda: puredist.average_(params, collective=collective),
+        "average_ async": lambda: puredist.average_(params, collective=collective, async_op=True).wait(),
+        "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
+        "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),
+        "streaming DiLoCo update_": run("streaming", lambda s: streaming.update_(params, s, collective=collective)),
+        "sgd update_": run("sgd", lambda s: sgd.update_(params, grads, s)),
+    }
+
+
+def _work_per_call(rank, world_size):
+    counts = {}
+    for leaves in (SMALL, LARGE):
+        for name, call in _paths(leaves).items():
+            for _ in range(3):  # the first call checks and plans the layout; steady state after
+                call()
+            with _CountingDispatch() as mode:
+                call()
+            counts[(name, leaves)] = (len(mode.ops), _python_calls(call))
+    return counts
+
+
+def test_the_work_per_call_does_not_grow_with_the_leaves():
+    counts = run_workers(_work_per_call, 2)[0]
+    for name in {name for name, _ in counts}:
+        (ops_small, calls_small), (ops_large, calls_large) = counts[(name, SMALL)], counts[(name, LARGE)]
+        assert ops_large == ops_small, (name, ops_small, ops_large)
+        assert calls_large == calls_small, (name, calls_small, calls_large)
+
+
+def _formatting_and_exceptions(rank, world_size):
+    formatted, raised = [], []
+    original_str = torch._tensor_str._str
+
+    def recording_str(tensor, *args, **kwargs):
+        formatted.append(tuple(tensor.shape))
+        return original_str(tensor, *args, **kwargs)
+
+    def tracer(frame, event, arg):
+        if "/puredist/" not in frame.f_code.co_filename:
+            return None
+
+        def local(frame, event, arg):
+            if event == "exception" and not issubclass(arg[0], (GeneratorExit, StopIteration)):  # (a generator closed)
+                raised.append(f"{frame.f_code.co_name}: {arg[0].__name__}")
+            return local
+        return local
+
+    leaves = 12
+    paths = _paths(leaves)
+    params = [torch.nn.Parameter(torch.full((3, 4), float(i))) for i in range(leaves)]
+    grads = [torch.ones(3, 4) for _ in range(leaves)]
+    sgd = puredist.sgd(0.1, momentum=0.9)
+    zero = puredist.zero(puredist.adamw(1e-3))
+    compressed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=1,
+                                          compressor=puredist.int8_blocks())
+    collective = puredist.DistributedCollective()
+    states = [sgd.init({"p": params}), zero.init(params, plan=puredist.plan_zero([p.numel() for p in params], 2),
+                                                  rank=rank), compressed.init(params)]
+    for call in paths.values():
+        call()
+    torch._tensor_str._str = recording_str
+    sys.settrace(tracer)
+    try:
+        for _ in range(3):
+            for call in paths.values():
+                call()
+            new_params, states[0] = sgd.update({"p": params}, {"p": grads}, states[0])
+            states[1] = zero.update_(params, grads, states[1], collective=collective)
+            states[2] = compressed.update_(params, states[2], collective=collective)
+            puredist.average(new_params, collective=collective)
+    finally:
+        sys.settrace(None)
+        torch._tensor_str._str = original_str
+    return formatted, raised
+
+
+def test_no_tensor_is_formatted_and_no_exception_raised_on_the_paths_run_every_step():
+    for formatted, raised in run_workers(_formatting_and_exceptions, 2):
+        assert formatted == [], formatted
+        assert raised == [], raised
+
+
+def _dispatched(call) -> int:
+    for _ in range(2):
+        call()
+    with _CountingDispatch() as mode:
+        call()
+    return len(mode.ops)
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_adam_dispatches_what_torch_optim_adam_dispatches(fused):
+    # torch's multi-tensor Adam reads each step count on the host (2 reads per parameter
+    # without capturable): puredist's update_ runs that kernel, and adds nothing per leaf
+    for leaves in (SMALL, LARGE):
+        params = [torch.nn.Parameter(torch.randn(4)) for _ in range(leaves)]
+        grads = [torch.randn(4) for _ in params]
+        torch_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p, g in zip(torch_params, grads):
+            p.grad = g
+        reference = torch.optim.Adam(torch_params, lr=1e-3, foreach=not fused, fused=fused)
+        adam = puredist.adam(1e-3, foreach=not fused, fused=fused)
+        state = [adam.init(params)]
+
+        def step():
+            state[0] = adam.update_(params, grads, state[0])
+
+        assert _dispatched(step) <= _dispatched(reference.step)
+
+
+@pytest.mark.parametrize("leaves", [SMALL])
+def test_the_counting_sees_per_leaf_work(leaves):
+    # the oracle of the test above: a loop over leaves is counted
+    params = [torch.zeros(4) for _ in range(2 * leaves)]
+    with _CountingDispatch() as few:
+        for p in params[:leaves]:
+            p.add_(1)
+    with _CountingDispatch() as many:
+        for p in params:
+            p.add_(1)
+    assert len(many.ops) == 2 * len(few.ops) == 2 * leaves
+    few, many = (puredist.tree.tree_map(lambda t: t + 1, [torch.zeros(1)] * n) for n in (leaves, 2 * leaves))
+    assert _python_calls(lambda: puredist.tree.tree_map(lambda t: t, many)) > _python_calls(
+        lambda: puredist.tree.tree_map(lambda t: t, few))
