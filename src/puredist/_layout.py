@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,9 +29,9 @@ import torch
 from puredist._dtensors import sharding_signature
 
 _CAPACITY = 64
-"""Layouts kept (least recently used dropped first): a few per model and collective."""
+"""Layouts kept (the oldest made dropped first): a few per model and collective."""
 
-_CACHE: "OrderedDict[tuple, Layout]" = OrderedDict()
+_CACHE: dict[tuple, "Layout"] = {}
 
 
 def digest(text: str) -> int:
@@ -103,15 +102,13 @@ _METADATA = operator.attrgetter("shape", "dtype", "device")
 
 def layout_of(tensors: Sequence[object]) -> Layout:
     """The (cached) :class:`Layout` of ``tensors``: the same object for every list of
-    the same metadata, while it stays among the recently used."""
+    the same metadata, while it stays among the last ``_CAPACITY`` made."""
     key = _key(tensors)
     if key is None:
         return Layout(tensors)
-    layout = _CACHE.get(key)
+    layout = _CACHE.get(key)  # one lookup: hashing the key is a pass over every tensor's metadata
     if layout is None:
+        if len(_CACHE) >= _CAPACITY:
+            del _CACHE[next(iter(_CACHE))]
         layout = _CACHE[key] = Layout(tensors, plain=True)
-        if len(_CACHE) > _CAPACITY:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
     return layout

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", type=Path, default=Path("out/demo"), help="folder for demo.png and results.json (default out/demo)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data split, model and batches (default 0)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="where the workers train (default cpu). cuda: NCCL with a GPU per worker when the machine has as many "
+             "(bytes are then counted for Gloo's traffic only: the rank checks), else every worker on GPU 0 over Gloo",
+    )
     return parser
 
 
@@ -101,7 +106,8 @@ def _launch(args: argparse.Namespace) -> dict:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    job = {"task": args.task, "steps": args.steps, "algorithms": args.algorithms, "seed": args.seed}
+    job = {"task": args.task, "steps": args.steps, "algorithms": args.algorithms, "seed": args.seed,
+           "device": args.device, "backend": args.backend}
     return elastic_launch(config, worker_main)(job)
 
 
@@ -157,7 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     task = TASKS[args.task]
     args.steps = args.steps or task.default_steps
-    print(f"puredist demo: {task.title}; {args.world_size} workers on 127.0.0.1 (Gloo), {args.steps} steps per algorithm")
+    args.backend, where = "gloo", "127.0.0.1 (Gloo)"
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda: no CUDA GPU is visible here", file=sys.stderr)
+            return 2
+        gpus = torch.cuda.device_count()
+        args.backend = "cpu:gloo,cuda:nccl" if gpus >= args.world_size else "gloo"
+        where = (f"{args.world_size} of {gpus} {torch.cuda.get_device_name(0)} GPUs (NCCL)" if gpus >= args.world_size
+                 else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
+    print(f"puredist demo: {task.title}; {args.world_size} workers on {where}, {args.steps} steps per algorithm")
     started = time.perf_counter()
     try:
         results = _launch(args)

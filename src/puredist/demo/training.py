@@ -34,6 +34,7 @@ optimizer state each worker holds is counted in bytes (ZeRO: only its shard).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -166,10 +167,14 @@ def _setups(task: Task, world_size: int, collective) -> dict[str, Callable]:
 def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
     """Train one run on this rank; return its curves, per-step measurements and totals."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if config.get("device") == "cuda" else torch.device("cpu")
     shard, test = task.load(config["seed"], rank, world_size)
+    test = tuple(t.to(device) for t in test)
     collective = puredist.DistributedCollective()
     setup = _setups(task, world_size, collective)[algorithm]
-    model, step, current_params, optimizer_state = setup(task, task.make_model(config["seed"]), collective, world_size)
+    model, step, current_params, optimizer_state = setup(
+        task, task.make_model(config["seed"]).to(device), collective, world_size
+    )
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
     steps, eval_every = config["steps"], max(1, config["steps"] // 15)
     losses, evaluations, step_seconds, step_bytes = [], [], [], []
@@ -180,7 +185,7 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
     mark = bytes_written()  # bytes are counted from step to step; only evaluations are left out
     with progress_bar(algorithm, steps, enabled=rank == 0) as bar:
         for k in range(1, steps + 1):
-            inputs, targets = task.sample(shard, batches)
+            inputs, targets = (t.to(device, non_blocking=True) for t in task.sample(shard, batches))
             step_started = time.perf_counter()
             losses.append(step(inputs, targets))
             step_seconds.append(time.perf_counter() - step_started)
@@ -208,7 +213,9 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
 def worker_main(config: dict[str, Any]) -> dict[str, Any]:
     """Entry point of each worker process (started by torch's elastic launcher)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if config.get("device") == "cuda":  # a GPU per worker with NCCL, else every worker on GPU 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if "nccl" in config["backend"] else 0)
+    dist.init_process_group(config.get("backend", "gloo"))
     try:
         task = TASKS[config["task"]]
         results = {algorithm: train(task, algorithm, config) for algorithm in config["algorithms"]}
