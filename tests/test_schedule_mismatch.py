@@ -81,3 +81,20 @@ def _zero_extra_step(rank, world_size):
 
 def test_an_extra_zero_step_on_one_rank_raises_on_every_rank():
     assert run_workers(_zero_extra_step, 2) == [True, True]
+
+
+def _different_bucket_caps(rank, world_size):
+    # a different cap cuts the same tensors into different messages: Gloo aborted the process
+    # ("Received data size doesn't match expected size") before the cap was part of the check
+    collective = DistributedCollective(bucket_cap_bytes=64 if rank == 0 else 256)
+    params = [torch.full((40,), float(rank)), torch.full((7,), float(rank))]
+    before = [p.clone() for p in params]
+    with pytest.raises(RankMismatchError, match=r"(?s)bucket_cap_bytes=64.*bucket_cap_bytes=256") as error:
+        puredist.average_(params, collective=collective)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing changed
+    return str(error.value)
+
+
+def test_collectives_with_different_bucket_caps_raise_on_every_rank_naming_the_cap():
+    for message in run_workers(_different_bucket_caps, 2):
+        assert "different steps or run different schedules" in message

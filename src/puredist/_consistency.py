@@ -74,6 +74,7 @@ def check_same_tensors_on_all_ranks(
         cause = (
             "ranks passed different tensors (a parameter without .grad on some ranks only is the usual cause)"
             if layouts_differ
-            else "ranks are at different steps or run different schedules (configuration or step differ)"
+            else "ranks are at different steps or run different schedules (configuration, step or the collective's "
+            "options, such as its bucket cap, differ)"
         )
         raise RankMismatchError(f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}")
