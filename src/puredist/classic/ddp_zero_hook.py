@@ -49,12 +49,12 @@ def _first_bucket_bytes_cap(ddp: DistributedDataParallel) -> int:
     return config.first_bucket_bytes_cap if config is not None else dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
-def _as_laid_out_by_ddp(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A parameter's gradient in its bucket slot: DDP lays a non-overlapping dense
-    parameter's slot out in the parameter's own strides (a transposed weight, a
-    channels-last convolution), any other contiguously. ``empty_like`` picks the same."""
-    strides = torch.empty_like(param, device="meta").stride()
-    return piece.as_strided(param.shape, strides, piece.storage_offset())
+def _slot_strides(param: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a parameter's gradient in its bucket slot: DDP lays a
+    non-overlapping dense parameter's slot out in the parameter's own strides (a
+    transposed weight, a channels-last convolution), any other contiguously.
+    ``empty_like`` picks the same (fixed when DDP is built, as DDP's buckets are)."""
+    return torch.empty_like(param, device="meta").stride()
 
 
 class _OverlappedIteration:
@@ -66,6 +66,7 @@ class _OverlappedIteration:
         self._launched: deque[tuple[torch.futures.Future, list[int], list[bool]]] = deque()
         self._broadcasts: list[CollectiveHandle] = []
         self._finish_queued = False
+        self._shapes = [(p.shape, _slot_strides(p)) for p in zero._all_params]
 
     def bucket_launched(self, future: torch.futures.Future, indices: list[int]) -> None:
         if not self._finish_queued:
@@ -86,7 +87,7 @@ class _OverlappedIteration:
         pieces = flat.split([params[i].numel() for i in indices])
         for i, piece, used in zip(indices, pieces, has_grad):
             if used:
-                grads[i] = _as_laid_out_by_ddp(piece, params[i])
+                grads[i] = piece.as_strided(*self._shapes[i], piece.storage_offset())
         self._broadcasts.append(self._zero._step_(grads, indices))
 
     def _finish(self) -> None:
