@@ -22,7 +22,19 @@ from puredist._layout import Layout, digest, layout_of
 
 
 class RankMismatchError(RuntimeError):
-    """Ranks of one process group passed different tensor lists to one collective."""
+    """Ranks of one process group passed different tensor lists to one collective.
+
+    Attributes:
+        ranks: the group's ranks (global), in group order (empty where not gathered).
+        contexts: each rank's context, in the same order.
+        layouts_differ: whether the tensors differ (else only the contexts do).
+    """
+
+    def __init__(self, message: str, *, ranks=(), contexts=(), layouts_differ: bool = False) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.contexts = tuple(contexts)
+        self.layouts_differ = layouts_differ
 
 
 def _describe(rank: int, summary: list[int], context: str) -> str:
@@ -77,4 +89,7 @@ def check_same_tensors_on_all_ranks(
             else "ranks are at different steps or run different schedules (configuration, step or the collective's "
             "options, such as its bucket cap, differ)"
         )
-        raise RankMismatchError(f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}")
+        raise RankMismatchError(
+            f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}",
+            ranks=ranks, contexts=[str(c) for c in contexts], layouts_differ=layouts_differ,
+        )

@@ -85,11 +85,25 @@ _PARAM_STATE_TYPES = set(_PARAM_STATES)
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer (see the module docstring)."""
+    """A functional optimizer (see the module docstring).
+
+    Attributes:
+        init, update, update_: as the module docstring says.
+        config: what it is, its kind and every hyper-parameter (a schedule shown as
+            ``<schedule>``), e.g. ``"sgd(lr=0.7, momentum=0.9, ...)"``: what the outer
+            optimizer's rank check and checkpoints compare; ``""`` for one built by hand.
+    """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     update_: Callable[[PyTree, PyTree, PyTree], PyTree]
+    config: str = ""
+
+
+def _config(kind: str, **hypers: Any) -> str:
+    """``kind(name=value, ...)``, a schedule shown as ``<schedule>`` (a function's repr
+    differs between processes; its values are checked where they are used)."""
+    return f"{kind}(" + ", ".join(f"{k}={'<schedule>' if callable(v) else v!r}" for k, v in hypers.items()) + ")"
 
 
 _Step = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple], bool], list[NamedTuple]]
@@ -290,7 +304,30 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     return states
 
 
-def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> Optimizer:
+_BUFFER = {SGDParamState: "momentum_buffer", AdamParamState: "exp_avg"}
+
+
+def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
+    buffer has another shape than its parameter (a state made for other parameters:
+    the kernels would step some parameters, then fail)."""
+    kinds = set(map(type, states))
+    if len(kinds) != 1:
+        return
+    field = _BUFFER[kinds.pop()]
+    buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
+    if not buffers or buffers[0] is None:  # SGD without momentum: nothing shaped like the parameters
+        return
+    if [b.shape for b in buffers] == [p.shape for p in leaves]:
+        return
+    i = next(i for i, (b, p) in enumerate(zip(buffers, leaves)) if b.shape != p.shape)
+    raise ValueError(
+        f"Arg ``state``: parameter {i} has shape {tuple(leaves[i].shape)}, its state's buffers "
+        f"{tuple(buffers[i].shape)}: a state made by init for other parameters. Nothing was stepped."
+    )
+
+
+def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool, config: str) -> Optimizer:
     def init(params: PyTree) -> PyTree:
         """A fresh per-parameter state for each leaf of ``params``, in a tree shaped
         like ``params`` (``{"w": w}`` gives ``{"w": state of w}``)."""
@@ -311,7 +348,9 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         """Step ``params`` in place (a ``None`` grad skips its parameter); return the
         new state, shaped like ``params``."""
         leaves, spec = tree_flatten(params)
-        return tree_unflatten(spec, stepped_in_place(leaves, spec.flatten_up_to(grads), _per_leaf(spec, state, len(leaves))))
+        states = _per_leaf(spec, state, len(leaves))
+        _check_shapes(leaves, states)
+        return tree_unflatten(spec, stepped_in_place(leaves, spec.flatten_up_to(grads), states))
 
     def stepped_in_place(leaves: list, grad_leaves: list, states: list) -> list:
         with torch.no_grad():  # as torch.optim steps its parameters (no detached views made)
@@ -328,6 +367,7 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         states = _per_leaf(spec, state, len(leaves))
+        _check_shapes(leaves, states)
         traced = _traced(
             lambda: [*leaves, *(g for g in grad_leaves if g is not None),
                      *(t for s in states for t in s if isinstance(t, torch.Tensor))],
@@ -343,7 +383,7 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool) -> O
         new = copies(leaves, recorded=True)  # the update is differentiable
         return tree_unflatten(spec, new), tree_unflatten(spec, stepped(new, grad_leaves, cloned, True))
 
-    return Optimizer(init, update, update_)
+    return Optimizer(init, update, update_, config)
 
 
 def sgd(
@@ -448,7 +488,9 @@ def sgd(
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
-    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable)
+    config = _config("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                     nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable, config)
 
 
 def _adam_family(
@@ -494,7 +536,9 @@ def _adam_family(
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
-    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable)
+    config = _config("adamw" if decoupled else "adam", lr=lr, betas=betas if callable(betas) else tuple(betas), eps=eps, weight_decay=weight_decay,
+                     amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable, config)
 
 
 def adam(

@@ -161,6 +161,10 @@ class OuterTransform(NamedTuple):
     load_state_dict: Callable[..., OuterState]
 
 
+def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
+    return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
+
+
 def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], ...]:
     """Cut leaf indices ``0..len(sizes)-1`` into ``count`` non-empty contiguous runs of
     about equal total size: a run ends once the running total reaches its share
@@ -241,7 +245,8 @@ def outer_optimizer(
     lower_sizes = tuple(lower.values())
     offsets = [f * sync_every // fragments for f in range(fragments)]
     config = (
-        f"outer_optimizer(sync_every={sync_every}, warmup_steps={warmup_steps}, delay={delay}, "
+        f"outer_optimizer({outer.config or 'an optimizer built by hand'}, sync_every={sync_every}, "
+        f"warmup_steps={warmup_steps}, delay={delay}, "
         f"fragments={fragments}, comm_dtype={comm_dtype}, global_dtype={global_dtype}, lower_levels={lower}"
         + (f", compressor={compressor.name})" if compressor is not None else ")")
     )
@@ -281,6 +286,29 @@ def outer_optimizer(
             tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves) if compressor else ()
         )
         return OuterState(0, global_params, tuple(outer.init(list(global_params))), (), residuals)
+
+    def check_params(leaves: Sequence[torch.Tensor], state: OuterState) -> None:
+        """Raise ``ValueError``, before anything is communicated, unless ``leaves`` are
+        the parameters ``state`` was made for: as many, of the same shapes (and dtypes,
+        where the global copy keeps the parameters' own). Leaves are paired by position,
+        so another tree (a frozen embedding left out) would pair unrelated tensors."""
+        globals_ = state.global_params
+        same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [g.shape for g in globals_]
+        if same and global_dtype is None:
+            same = [t.dtype for t in leaves] == [g.dtype for g in globals_]
+        if same:
+            return
+        differing = next(
+            (i for i, (leaf, g) in enumerate(zip(leaves, globals_))
+             if leaf.shape != g.shape or (global_dtype is None and leaf.dtype != g.dtype)),
+            min(len(leaves), len(globals_)),
+        )
+        raise ValueError(
+            f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(globals_)}, and leaf "
+            f"{differing} differs (params: "
+            f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(globals_, differing)}). Pass the "
+            "parameters init was given (the same tree), or init a state for these."
+        )
 
     def check_collective(collective: Collective) -> None:
         missing = [g for g in lower_sizes if g not in collective.group_sizes]
@@ -371,6 +399,7 @@ def outer_optimizer(
         failed synchronization in it is issued again, on ``collective``, by the next
         ``update_`` with it)."""
         leaves, _ = _float_leaves(params, in_place=True)
+        check_params(leaves, state)
         fragment_leaves = layout(leaves)
         check_collective(collective)
         if state.step == 0:
@@ -418,6 +447,7 @@ def outer_optimizer(
                 "and snapshots that no transform can map, a compressor's payloads are not differentiable."
             )
         leaves, spec = _float_leaves(params, in_place=False)
+        check_params(leaves, state)
         fragment_leaves = layout(leaves)
         check_collective(collective)
         if state.step == 0:
@@ -578,6 +608,13 @@ def outer_optimizer(
             shape = tuple(saved[f"global.{i}"].shape)
             if shape != tuple(template.shape):
                 raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+        fields = set(state.outer_state[0]._fields) if state.outer_state else set()
+        saved_fields = {key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present")}
+        if saved_fields - fields:
+            raise ValueError(
+                f"Arg ``saved`` holds outer-optimizer state with fields {sorted(saved_fields)}; this transform's "
+                f"outer optimizer keeps {sorted(fields)}: it is a checkpoint of another optimizer."
+            )
         for i, leaf_state in enumerate(state.outer_state):
             if getattr(leaf_state, "step", None) is not None and not saved.get(f"outer.{i}.step.present", False):
                 raise ValueError(

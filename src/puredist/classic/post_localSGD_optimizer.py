@@ -125,11 +125,14 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         """Raise on every rank if some rank is about to load state that is not its
         own (see the module docstring); a checkpoint without digests passes."""
         rank = _rank()
-        key = f"{LOCAL_DIGEST_KEY}.rank{rank}"
-        saved = next((group[key] for group in state_dict["param_groups"] if key in group), None)
-        if saved is None:
+        digests = {k: v for group in state_dict["param_groups"] for k, v in group.items() if k.startswith(LOCAL_DIGEST_KEY)}
+        if rank is None or not digests:
             return
-        foreign = torch.tensor([float(saved != _local_digest(self._params(), state_dict))])
+        # a rank holding another rank's file has digests but not its own: it takes part too, and passes only
+        # where its parameters are that rank's (the file's state then is its own as well)
+        local = _local_digest(self._params(), state_dict)
+        own = digests.get(f"{LOCAL_DIGEST_KEY}.rank{rank}")
+        foreign = torch.tensor([float(own != local if own is not None else local not in digests.values())])
         dist.all_reduce(foreign, op=dist.ReduceOp.MAX)
         if foreign.item():
             raise RuntimeError(

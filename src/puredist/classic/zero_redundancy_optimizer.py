@@ -188,6 +188,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._plan: ZeroPlan | None = None
         self._iteration = 0
         self._consolidated: dict[str, Any] | None = None
+        self._consolidation_error: Exception | None = None
         self._pristine = True  # no step taken and no state loaded: the plan may still change
         super().__init__(params, defaults)
         Joinable.__init__(self)
@@ -348,7 +349,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (a collective: every rank
-        calls it); afterwards :meth:`state_dict` works on ``to``."""
+        calls it); afterwards :meth:`state_dict` works on ``to``. If it fails (a peer
+        is gone), the previous consolidation is dropped too: :meth:`state_dict` then
+        says that this one failed instead of returning a stale state."""
+        self._consolidated, self._consolidation_error = None, None
+        try:
+            self._consolidate(to)
+        except Exception as error:
+            self._consolidation_error = error
+            raise
+
+    def _consolidate(self, to: int) -> None:
         params = self._all_params
         local = {
             index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
@@ -376,8 +387,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
         Raises:
             RuntimeError: :meth:`consolidate_state_dict` was not called (on all
-                ranks, with ``to`` this rank).
+                ranks, with ``to`` this rank), or its last call failed.
         """
+        if self._consolidation_error is not None:
+            raise RuntimeError(
+                f"The last consolidate_state_dict() failed ({type(self._consolidation_error).__name__}: "
+                f"{self._consolidation_error}); there is no current state to return. Call it again on every rank."
+            ) from self._consolidation_error
         if self._consolidated is None:
             raise RuntimeError(_NOT_CONSOLIDATED)
         return self._consolidated

@@ -1,0 +1,176 @@
+"""States, checkpoints and settings that do not belong together are refused, on every
+rank, before anything is communicated or changed (the third reliability round).
+
+Each test builds the mismatch a user can make and checks that the error names it and
+that every tensor and every state is as before:
+
+- a params tree other than the one a DiLoCo state or an optimizer state was made for;
+- ranks whose outer optimizers differ (learning rate), and checkpoints of another outer
+  optimizer (another learning rate, another kind);
+- a ``PostLocalSGDOptimizer`` checkpoint of one rank loaded on every rank;
+- a ``consolidate_state_dict`` that failed, then ``state_dict()``;
+- inf in one rank's pseudo-gradient under compression: the error names the rank and leaf.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import puredist
+from puredist import RankMismatchError
+from puredist.classic import ZeroRedundancyOptimizer
+from test_post_local_sgd import PUREDIST, build, train_step
+from workers import run_workers
+
+NESTEROV = dict(lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _params(rank: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"emb": torch.randn(5, 3, generator=gen), "l1": torch.randn(3, 3, generator=gen),
+            "l2": torch.randn(3, generator=gen)}
+
+
+def _other_tree(rank, world_size):
+    diloco = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=1)
+    collective = puredist.DistributedCollective()
+    params = _params()
+    state = diloco.update_(params, diloco.init(params), collective=collective)  # step 0: the first sync
+    frozen_embedding = {"l1": params["l1"], "l2": params["l2"]}
+    before = {k: v.clone() for k, v in params.items()}
+    globals_before = [g.clone() for g in state.global_params]
+    errors = []
+    for wrong in (frozen_embedding, {**params, "l1": params["l1"].t().contiguous()[:2]}):
+        with pytest.raises(ValueError, match=r"Arg ``params`` has \d leaves; the state was made by init for 3") as error:
+            diloco.update_(wrong, state, collective=collective)
+        errors.append(str(error.value))
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    assert all(torch.equal(g, b) for g, b in zip(state.global_params, globals_before))
+    state = diloco.update_(params, state, collective=collective)  # the right tree still works, on every rank
+    return errors
+
+
+def test_diloco_refuses_a_params_tree_other_than_its_states_on_every_rank():
+    for errors in run_workers(_other_tree, 2):
+        assert "leaf 0 differs (params: shape (3, 3)" in errors[0]  # l1 paired with the embedding's state
+        assert "leaf 1 differs (params: shape (2, 3)" in errors[1]
+
+
+@pytest.mark.parametrize("make", [lambda: puredist.sgd(0.1, momentum=0.9), lambda: puredist.adam(0.1)])
+def test_an_optimizer_refuses_a_state_made_for_other_parameters_before_stepping(make):
+    opt = make()
+    params = [torch.ones(3, 2), torch.ones(4)]
+    state = opt.init([torch.ones(2, 3), torch.ones(4)])  # same count, other shapes
+    before = [p.clone() for p in params]
+    grads = [torch.ones(3, 2), torch.ones(4)]
+    for update in (opt.update_, lambda *a: opt.update(*a)[1]):
+        with pytest.raises(ValueError, match=r"parameter 0 has shape \(3, 2\), its state's buffers \(2, 3\)"):
+            update(params, grads, state)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def _different_outer_rates(rank, world_size):
+    diloco = puredist.outer_optimizer(puredist.sgd(lr=0.7 if rank == 0 else 0.3, momentum=0.9), sync_every=2)
+    params = _params()
+    before = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(RankMismatchError, match=r"(?s)sgd\(lr=0.7.*sgd\(lr=0.3") as error:
+        diloco.update_(params, diloco.init(params), collective=puredist.DistributedCollective())
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    return str(error.value)
+
+
+def test_ranks_with_different_outer_optimizers_raise_on_every_rank():
+    assert len(run_workers(_different_outer_rates, 2)) == 2
+
+
+@pytest.mark.parametrize("saved_with, loaded_with", [
+    (puredist.sgd(**NESTEROV), puredist.sgd(lr=0.1)),
+    (puredist.adam(1e-3), puredist.sgd(**NESTEROV)),
+])
+def test_a_checkpoint_of_another_outer_optimizer_is_refused(saved_with, loaded_with):
+    params = list(_params().values())
+    saving = puredist.outer_optimizer(saved_with, sync_every=2)
+    saved = saving.state_dict(saving.init(params), rank=0)
+    loading = puredist.outer_optimizer(loaded_with, sync_every=2)
+    with pytest.raises(ValueError, match=r"was saved by .*" + saved_with.config.split("(")[0]):
+        loading.load_state_dict(loading.init(params), saved, rank=0)
+
+
+def test_a_checkpoint_of_another_kind_of_optimizer_built_by_hand_is_refused():
+    # without a config to compare (an optimizer built by hand), the state's fields tell the kinds apart
+    by_hand = lambda opt: puredist.Optimizer(opt.init, opt.update, opt.update_)  # noqa: E731
+    params = list(_params().values())
+    saving = puredist.outer_optimizer(by_hand(puredist.adam(1e-3)), sync_every=2)
+    loading = puredist.outer_optimizer(by_hand(puredist.sgd(**NESTEROV)), sync_every=2)
+    saved = saving.state_dict(saving.init(params), rank=0)
+    with pytest.raises(ValueError, match=r"exp_avg.*momentum_buffer.*a checkpoint of another optimizer"):
+        loading.load_state_dict(loading.init(params), saved, rank=0)
+
+
+def _everyone_loads_rank_0s_file(rank, world_size, folder):
+    alone, _ = dist.new_subgroups(group_size=1)  # gradients stay local after the start: ranks drift apart
+    model, optimizer, _ = build(PUREDIST, alone)
+    for step in range(5):  # between averagings (the last at step 3): ranks differ
+        train_step(model, optimizer, rank, step)
+    torch.save(optimizer.state_dict(), f"{folder}/rank{rank}.pt")
+    dist.barrier()
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="another rank's parameters or optimizer state"):
+        optimizer.load_state_dict(torch.load(f"{folder}/rank0.pt"))
+    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
+
+
+def test_every_rank_loading_rank_0s_post_local_sgd_file_raises_on_every_rank_without_waiting(tmp_path):
+    run_workers(_everyone_loads_rank_0s_file, 2, str(tmp_path), timeout=30, gloo_timeout=20)
+
+
+def _failed_consolidation(rank, world_size):
+    param = torch.nn.Parameter(torch.ones(4))
+    zero = ZeroRedundancyOptimizer([param], torch.optim.Adam, lr=0.1)
+    for _ in range(1):
+        param.grad = torch.ones(4)
+        zero.step()
+    zero.consolidate_state_dict(to=0)
+    for _ in range(2):
+        zero.step()
+    gather_object = dist.gather_object
+
+    def failing(*args, **kwargs):  # the fault: the gather fails on every rank (a peer gone)
+        raise RuntimeError("injected: connection reset by peer")
+
+    dist.gather_object = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            zero.consolidate_state_dict(to=0)
+    finally:
+        dist.gather_object = gather_object
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r"last consolidate_state_dict\(\) failed .*injected"):
+            zero.state_dict()
+    zero.consolidate_state_dict(to=0)  # and again, once the group works
+    if rank == 0:
+        steps = [entry["step"] for entry in zero.state_dict()["state"].values()]
+        assert all(float(step) == 3 for step in steps), steps
+
+
+def test_a_failed_consolidation_leaves_no_stale_state_dict():
+    run_workers(_failed_consolidation, 2)
+
+
+def _non_finite_pseudo_gradient(rank, world_size):
+    diloco = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=1, compressor=puredist.int8_blocks())
+    collective = puredist.DistributedCollective()
+    params = list(_params().values())
+    state = diloco.update_(params, diloco.init(params), collective=collective)
+    if rank == 1:
+        params[1][0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"inf or NaN on rank 1 \(leaf 1\)") as error:
+        diloco.update_(params, state, collective=collective)
+    return str(error.value)
+
+
+def test_inf_in_one_ranks_compressed_pseudo_gradient_names_the_rank_and_leaf_on_every_rank():
+    messages = run_workers(_non_finite_pseudo_gradient, 2)
+    assert all("different steps" not in m for m in messages)
