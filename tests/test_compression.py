@@ -65,6 +65,25 @@ def test_error_feedback_telescopes_what_was_sent_to_the_true_sum(codec):
     torch.testing.assert_close(sent_total + state.residuals[0].double().mean(0), true_total, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("codec, bound", [(int8_blocks(32), 0.02), (int4_blocks(32), 0.2), (top_k(0.05), 0.05)],
+                         ids=["int8", "int4", "topk"])
+def test_one_compressed_mean_is_near_the_true_mean(codec, bound):
+    # error feedback alone cannot tell an averager that sends nothing (mean 0, all in the residual) from one
+    # that works; the first mean, from zero residuals, must be near the true one (each replica's own value is
+    # 0.6 away, sending nothing 1.0)
+    gen = torch.Generator().manual_seed(0)
+    if codec.name.startswith("top_k"):  # a few entries carry the mean (one per owner's chunk): top-k keeps them
+        x = 0.01 * torch.randn(4, 512, generator=gen)
+        x[:, torch.tensor([3, 140, 270, 400])] += 5 * torch.randn(4, 4, generator=gen)
+    else:
+        x = torch.randn(4, 512, generator=gen)
+    averager = compressed_averager(codec)
+    mean, _ = averager.update(x, averager.init(x), collective=SimulatedCollective(4))
+    true = x.double().mean(0)
+    assert torch.equal(mean, mean[:1].expand_as(mean))  # every replica gets the same mean
+    assert (mean[0].double() - true).norm() <= bound * true.norm()
+
+
 def test_payloads_are_as_small_as_the_format_says():
     x = torch.randn(1024)
     nbytes = lambda payload: sum(t.numel() * t.element_size() for t in payload)  # noqa: E731

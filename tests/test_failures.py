@@ -212,6 +212,25 @@ def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
     assert torch.equal(tensors[0], torch.ones(40))
 
 
+def test_an_async_run_whose_later_bucket_fails_writes_none_of_the_buckets_that_succeeded():
+    # deterministic, where the job above races: buckets 1 and 2 of 5 succeed, bucket 3 fails at its wait
+    from puredist._staged import StagingPool, run_staged
+
+    pool = StagingPool(1024)
+    tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
+    outcomes = iter([_Done(), _Done(), _Failed(), _Done(), _Done()])
+
+    def launch(buffer):
+        buffer.mul_(-1)  # what a collective would leave there: another value
+        return next(outcomes)
+
+    handle = run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool)
+    with pytest.raises(CollectiveError, match="in bucket 3 of 5") as error:
+        handle.wait()
+    assert error.value.completed_elements == (0,)
+    assert torch.equal(tensors[0], torch.arange(40.0))  # all or nothing: nothing
+
+
 def _source_dies_mid_broadcast(rank, world_size):
     tensors = [values(rank, i) for i in range(TENSORS)]
     source = world_size - 1

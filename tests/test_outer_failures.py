@@ -31,6 +31,10 @@ def _start_apart(rank, world_size):
     params = [torch.full((3,), float(rank))]
     with pytest.raises(RankMismatchError, match="initial parameters"):
         transform.update_(params, transform.init(params), collective=DistributedCollective())
+    # only a later tensor apart (the first ones equal): every tensor is compared
+    params = [torch.ones(3), torch.ones(2), torch.full((4,), float(rank))]
+    with pytest.raises(RankMismatchError, match=r"initial parameters.*tensors \[2\] differ"):
+        transform.update_(params, transform.init(params), collective=DistributedCollective())
     return True
 
 

@@ -35,11 +35,25 @@ def _mismatched(rank, world_size, kind):
     return None
 
 
+def _first_collective_step(kind: str, rank: int) -> int:
+    """Brute force, by torch's rules: the first step at which this rank communicates.
+    Every configuration differs between the ranks, so the first collectives already
+    mismatch: each rank raises at its own first one."""
+    if kind == "period":
+        period, warmup = (2 if rank == 0 else 4), 0
+    elif kind == "warmup":
+        period, warmup = 2, (1 if rank == 0 else 3)
+    else:  # hierarchical (a period divides step 0) and DiLoCo (its initial check at step 0)
+        return 0
+    return next(k for k in range(100) if k >= warmup and (k - warmup) % period == 0)
+
+
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_different_schedules_raise_on_every_rank_at_the_first_mismatch(kind):
     world_size = 4 if kind == "hierarchy" else 2
     results = run_workers(_mismatched, world_size, kind)
     assert all(r is not None for r in results), results
+    assert [step for step, _ in results] == [_first_collective_step(kind, rank) for rank in range(world_size)]
     for _, message in results:
         assert "different steps or run different schedules" in message and "context" in message
 

@@ -156,12 +156,30 @@ def _mismatched_sharding(rank, world_size):
     try:
         puredist.average_([leaf], collective=puredist.DistributedCollective.from_mesh(mesh, "replicate"))
     except puredist.RankMismatchError as error:
-        return "dtensor" in str(error) or "nothing was changed" in str(error), torch.equal(leaf.to_local(), before)
+        return "ranks passed different tensors" in str(error), torch.equal(leaf.to_local(), before)
     return "averaged", None
 
 
 def test_replica_groups_sharded_differently_raise_on_every_rank():
     assert run_workers(_mismatched_sharding, 4) == [(True, True)] * 4
+
+
+def _different_shards_of_one_spec(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    # evenly sharded: both ranks hold a (2, 4) shard of the same spec, but different rows
+    leaf = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)], src_data_rank=None)
+    before = leaf.to_local().clone()
+    with pytest.raises(puredist.RankMismatchError, match="ranks passed different tensors"):
+        # averaging across the ranks that shard it (the world): they hold different rows, not replicas
+        puredist.average_([leaf], collective=puredist.DistributedCollective())
+    return torch.equal(leaf.to_local(), before)
+
+
+def test_ranks_holding_different_shards_of_one_spec_raise_on_every_rank():
+    assert run_workers(_different_shards_of_one_spec, 2) == [True, True]
 
 
 def _pending_reduction(rank, world_size):

@@ -126,6 +126,24 @@ def test_every_rank_loading_rank_0s_post_local_sgd_file_raises_on_every_rank_wit
     run_workers(_everyone_loads_rank_0s_file, 2, str(tmp_path), timeout=30, gloo_timeout=20)
 
 
+def _other_momentum_same_parameters(rank, world_size):
+    alone, _ = dist.new_subgroups(group_size=1)
+    model, optimizer, _ = build(PUREDIST, alone)
+    for step in range(5):
+        train_step(model, optimizer, rank, step)
+    saved = optimizer.state_dict()
+    if rank == 1:  # its own file, its own parameters, but another momentum (as another rank's would be)
+        for entry in saved["state"].values():
+            entry["momentum_buffer"] = entry["momentum_buffer"] * 2
+    with pytest.raises(RuntimeError, match="another rank's parameters or optimizer state"):
+        optimizer.load_state_dict(saved)
+
+
+def test_a_post_local_sgd_state_with_another_momentum_is_refused_on_every_rank():
+    # the digest covers the optimizer state, not only the parameters
+    run_workers(_other_momentum_same_parameters, 2)
+
+
 def _failed_consolidation(rank, world_size):
     param = torch.nn.Parameter(torch.ones(4))
     zero = ZeroRedundancyOptimizer([param], torch.optim.Adam, lr=0.1)
@@ -174,3 +192,26 @@ def _non_finite_pseudo_gradient(rank, world_size):
 def test_inf_in_one_ranks_compressed_pseudo_gradient_names_the_rank_and_leaf_on_every_rank():
     messages = run_workers(_non_finite_pseudo_gradient, 2)
     assert all("different steps" not in m for m in messages)
+
+
+def _save_compressed(rank, world_size, folder):
+    diloco = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=1, compressor=puredist.int4_blocks())
+    params = list(_params().values())
+    state = diloco.init(params)
+    for _ in range(2):
+        params[0].add_(0.1 * (rank + 1))
+        state = diloco.update_(params, state, collective=puredist.DistributedCollective())
+    torch.save(diloco.state_dict(state, rank=rank), f"{folder}/rank{rank}.pt")
+
+
+def _load_compressed(rank, world_size, folder):
+    diloco = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=1, compressor=puredist.int4_blocks())
+    template = diloco.init(list(_params().values()))
+    with pytest.raises(ValueError, match="saved at world size 2, this run has 1"):
+        diloco.load_state_dict(template, torch.load(f"{folder}/rank{rank}.pt"), rank=rank)
+
+
+def test_a_compressed_diloco_checkpoint_is_refused_at_another_world_size(tmp_path):
+    # ranks' residuals are their own: loading rank 0's at one rank would drop rank 1's without a word
+    run_workers(_save_compressed, 2, str(tmp_path))
+    run_workers(_load_compressed, 1, str(tmp_path))

@@ -54,6 +54,7 @@ same for any state of one transform), which ``torch.save`` and
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
@@ -163,6 +164,11 @@ class OuterTransform(NamedTuple):
 
 def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
     return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
+
+
+def _world_size() -> int:
+    """The default process group's size, or -1 outside one (simulated ranks)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else -1
 
 
 def split_fragments(sizes: Sequence[int], count: int) -> tuple[tuple[int, ...], ...]:
@@ -529,7 +535,7 @@ def outer_optimizer(
         """A flat dict of ``state`` for ``torch.save`` or DCP (completes collectives in
         flight: every rank calls it at the same step)."""
         fragment_leaves = layout(state.global_params)
-        saved: dict[str, Any] = {"step": state.step, "config": config}
+        saved: dict[str, Any] = {"step": state.step, "config": config, "world_size": _world_size()}
         for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
             saved[f"global.{i}"] = global_param
             for field, value in leaf_state._asdict().items():
@@ -621,6 +627,13 @@ def outer_optimizer(
                     f"Arg ``saved`` holds no step count for parameter {i}'s outer state: it was saved by an outer "
                     "optimizer that keeps none (without a schedule or dampening), which this one needs."
                 )
+        saved_world, world = saved.get("world_size", -1), _world_size()
+        if state.residuals and saved_world >= 0 and world >= 0 and saved_world != world:
+            raise ValueError(
+                f"Arg ``saved`` was saved at world size {saved_world}, this run has {world}: each rank's error-feedback "
+                "residuals are its own (what its payloads have not sent yet), so a compressed run resumes at the "
+                "world size it was saved at."
+            )
         if state.residuals and f"residual.0.rank{rank}" not in saved:
             raise ValueError(
                 f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "

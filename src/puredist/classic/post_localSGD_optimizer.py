@@ -128,11 +128,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         digests = {k: v for group in state_dict["param_groups"] for k, v in group.items() if k.startswith(LOCAL_DIGEST_KEY)}
         if rank is None or not digests:
             return
-        # a rank holding another rank's file has digests but not its own: it takes part too, and passes only
-        # where its parameters are that rank's (the file's state then is its own as well)
-        local = _local_digest(self._params(), state_dict)
+        # a rank holding another rank's file has digests but not its own: it takes part too, and refuses (its
+        # momentum is its own even where the parameters are equal, as right after an averaging)
         own = digests.get(f"{LOCAL_DIGEST_KEY}.rank{rank}")
-        foreign = torch.tensor([float(own != local if own is not None else local not in digests.values())])
+        foreign = torch.tensor([float(own is None or own != _local_digest(self._params(), state_dict))])
         dist.all_reduce(foreign, op=dist.ReduceOp.MAX)
         if foreign.item():
             raise RuntimeError(
