@@ -184,7 +184,7 @@ def _non_finite_pseudo_gradient(rank, world_size):
     state = diloco.update_(params, diloco.init(params), collective=collective)
     if rank == 1:
         params[1][0, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"inf or NaN on rank 1 \(leaf 1\)") as error:
+    with pytest.raises(ValueError, match=r"inf or NaN \(rank 1: inf or NaN in leaf 1\)") as error:
         diloco.update_(params, state, collective=collective)
     return str(error.value)
 
@@ -215,3 +215,28 @@ def test_a_compressed_diloco_checkpoint_is_refused_at_another_world_size(tmp_pat
     # ranks' residuals are their own: loading rank 0's at one rank would drop rank 1's without a word
     run_workers(_save_compressed, 2, str(tmp_path))
     run_workers(_load_compressed, 1, str(tmp_path))
+
+
+def _owner_refuses(rank, world_size):
+    import time
+
+    # one parameter: rank 0 owns it, rank 1 owns nothing; the rate turns negative at the third step
+    zero = puredist.zero(puredist.sgd(lr=lambda count: 0.1 - 0.06 * count))
+    params = [torch.ones(3)]
+    plan = puredist.plan_zero([3], world_size)
+    assert plan.owners == (0,)
+    state = zero.init(params, plan=plan, rank=rank)
+    collective = puredist.DistributedCollective()
+    for _ in range(2):
+        state = zero.update_(params, [torch.ones(3)], state, collective=collective)
+    before = params[0].clone()
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"A ZeRO step was refused \(rank 0: .*``lr`` must be a non-negative"):
+        zero.update_(params, [torch.ones(3)], state, collective=collective)
+    assert torch.equal(params[0], before)
+    return time.perf_counter() - started
+
+
+def test_a_rank_that_owns_nothing_raises_the_owners_refusal_at_once():
+    for seconds in run_workers(_owner_refuses, 2, gloo_timeout=20, timeout=40):
+        assert seconds < 5  # not the collective's timeout

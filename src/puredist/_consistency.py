@@ -37,6 +37,27 @@ class RankMismatchError(RuntimeError):
         self.layouts_differ = layouts_differ
 
 
+REFUSED = " | refused: "
+"""Joins a rank's context and the reason it refuses the operation (see :func:`refusals`)."""
+
+
+def with_refusal(context: str, reason: str) -> str:
+    """``context`` as the rank check sends it when this rank refuses the operation for
+    ``reason`` (``""``: it does not)."""
+    return f"{context}{REFUSED}{reason}" if reason else context
+
+
+def refusals(error: RankMismatchError) -> list[str]:
+    """``["rank r: reason", ...]`` when the rank check failed only because some ranks
+    refused (their contexts carry a reason, :func:`with_refusal`), else ``[]``. Every
+    rank sees the same contexts, so every rank can raise the same error naming them,
+    though only the refusing ranks found the cause (a rank of a ZeRO step that owns no
+    parameter, a rank whose values are finite)."""
+    if error.layouts_differ or len({str(c).split(REFUSED)[0] for c in error.contexts}) != 1:
+        return []
+    return [f"rank {rank}: {c.split(REFUSED)[1]}" for rank, c in zip(error.ranks, error.contexts) if REFUSED in c]
+
+
 def _describe(rank: int, summary: list[int], context: str) -> str:
     count, numel, layout, _ = summary
     return f"rank {rank}: {count} tensors, {numel} elements, layout digest {layout & 0xFFFFFFFF:08x}, context {context!r}"

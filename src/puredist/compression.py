@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import RankMismatchError
+from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
@@ -217,26 +217,12 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> b
     return simulated
 
 
-_NON_FINITE = " | inf or NaN in "
-
-
 def _raise_non_finite(where: list[str], context: str) -> None:
     raise ValueError(
-        f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN on {'; '.join(where)}: a block's scale, "
+        f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN ({'; '.join(where)}): a block's scale, "
         f"and then the residual, would be non-finite for good. Nothing was sent, on any rank; skip this step "
         f"(e.g. an AMP overflow). {context}"
     )
-
-
-def _raise_if_only_non_finite(error: RankMismatchError, context: str) -> None:
-    """Raise the non-finite ValueError, naming the ranks and leaves, when the rank
-    check failed only because some rank holds inf or NaN (every rank sees the same
-    contexts: every rank raises it)."""
-    if error.layouts_differ or len({c.split(_NON_FINITE)[0] for c in error.contexts}) != 1:
-        return
-    where = [f"rank {rank} ({c.split(_NON_FINITE)[1]})" for rank, c in zip(error.ranks, error.contexts) if _NON_FINITE in c]
-    if where:
-        _raise_non_finite(where, context)
 
 
 def compressed_mean(
@@ -268,18 +254,19 @@ def compressed_mean(
         dim=1,
     )
     finite = bool(torch.isfinite(rows).all())
-    where = "" if finite else _NON_FINITE + ", ".join(
+    where = "" if finite else "inf or NaN in " + ", ".join(
         f"leaf {i}" for i, (leaf, residual) in enumerate(zip(leaves, residuals))
         if not torch.isfinite(leaf.detach().float() + residual).all()
     )
     if not simulated:  # every rank learns whether any rank has a non-finite value
         try:
-            collective.check_same_on_all_ranks(given, context=context + where, what="a compressed averaging")
+            collective.check_same_on_all_ranks(given, context=with_refusal(context, where), what="a compressed averaging")
         except RankMismatchError as error:
-            _raise_if_only_non_finite(error, context)
+            if refusals(error):
+                _raise_non_finite(refusals(error), context)
             raise
     if not finite:
-        _raise_non_finite([f"this rank ({where[len(_NON_FINITE):]})"], context)
+        _raise_non_finite([f"this rank: {where}"], context)
     if world == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
         mean, left = rows[0], torch.zeros_like(rows)
     else:

@@ -92,12 +92,18 @@ class Optimizer(NamedTuple):
         config: what it is, its kind and every hyper-parameter (a schedule shown as
             ``<schedule>``), e.g. ``"sgd(lr=0.7, momentum=0.9, ...)"``: what the outer
             optimizer's rank check and checkpoints compare; ``""`` for one built by hand.
+        check: ``check(states)`` raises ``ValueError`` where a step of parameters with
+            these per-parameter states would (a schedule's value at their counts out of
+            range), stepping nothing: what ZeRO runs on every rank before its rank check,
+            so that a rank owning nothing learns an owner's refusal instead of waiting
+            for its broadcast. ``None``: nothing to check (one built by hand).
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     update_: Callable[[PyTree, PyTree, PyTree], PyTree]
     config: str = ""
+    check: Callable[[Sequence[NamedTuple]], None] | None = None
 
 
 def _config(kind: str, **hypers: Any) -> str:
@@ -209,19 +215,17 @@ def _scheduled(
     run: Callable[..., list[NamedTuple]],
     check: Callable[[list, bool], None],
     validate: Callable[[str, Any], None],
-) -> _Step:
-    """The :data:`_Step` that calls ``check(params, traced)``, then
+) -> tuple[_Step, Callable[[Sequence[NamedTuple]], None]]:
+    """``(step, check_states)``. ``step`` calls ``check(params, traced)``, then
     ``run(params, grads, states, traced, **values)``: once with ``hypers`` as they are,
     or, where some are schedules, once per group of parameters at the same count (a
     parameter skipped for want of a gradient keeps its own), with each schedule's value
     at that count, every value first passed to ``validate(name, value)`` (so nothing
-    is stepped unless all are good)."""
+    is stepped unless all are good). ``check_states(states)`` runs that validation
+    alone, stepping nothing."""
     scheduled = [name for name, value in hypers.items() if callable(value)]
 
-    def step(params, grads, states, traced):
-        check(params, traced)
-        if not scheduled:
-            return run(params, grads, states, traced, **hypers)
+    def values_by_count(states) -> tuple[list[int], dict[int, dict[str, Any]]]:
         counts = _read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
         groups = {}
         for count in sorted(set(counts)):
@@ -229,6 +233,13 @@ def _scheduled(
             for name in scheduled:
                 validate(name, values[name])
             groups[count] = values
+        return counts, groups
+
+    def step(params, grads, states, traced):
+        check(params, traced)
+        if not scheduled:
+            return run(params, grads, states, traced, **hypers)
+        counts, groups = values_by_count(states)
         new = list(states)
         for count, values in groups.items():
             group = [k for k, c in enumerate(counts) if c == count]
@@ -238,7 +249,13 @@ def _scheduled(
                 new[k] = state
         return new
 
-    return step
+    def check_states(states: Sequence[NamedTuple]) -> None:
+        """Raise ``ValueError`` where a step of parameters with these per-parameter
+        states would (a schedule's value at their counts out of range); step nothing."""
+        if scheduled and states:
+            values_by_count(states)
+
+    return step, check_states
 
 
 def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
@@ -327,7 +344,10 @@ def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) 
     )
 
 
-def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool, config: str) -> Optimizer:
+def _make_optimizer(
+    init_leaf: Callable, scheduled: tuple[_Step, Callable], differentiable: bool, config: str
+) -> Optimizer:
+    step, check_states = scheduled
     def init(params: PyTree) -> PyTree:
         """A fresh per-parameter state for each leaf of ``params``, in a tree shaped
         like ``params`` (``{"w": w}`` gives ``{"w": state of w}``)."""
@@ -383,7 +403,7 @@ def _make_optimizer(init_leaf: Callable, step: _Step, differentiable: bool, conf
         new = copies(leaves, recorded=True)  # the update is differentiable
         return tree_unflatten(spec, new), tree_unflatten(spec, stepped(new, grad_leaves, cloned, True))
 
-    return Optimizer(init, update, update_, config)
+    return Optimizer(init, update, update_, config, check_states)
 
 
 def sgd(

@@ -40,6 +40,7 @@ import torch
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import CollectiveHandle, DistributedCollective, SimulatedCollective
 from puredist.replicas import VmapCollective
+from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 
@@ -117,6 +118,18 @@ def zero(optimizer: Optimizer) -> Zero:
         owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
         return ZeroState(step=0, plan=plan, owned=owned)
 
+    def _refusal(grad_leaves, state: ZeroState, rank: int) -> str:
+        """Why ``optimizer`` would refuse to step this rank's parameters with gradients
+        (its :attr:`~puredist.Optimizer.check`), or ``""``."""
+        if optimizer.check is None:
+            return ""
+        owned = state.plan.owned_by(rank)
+        try:
+            optimizer.check([state.owned[k] for k, i in enumerate(owned) if grad_leaves[i] is not None])
+        except ValueError as error:  # the refusal itself (the rare path), to be shared with every rank
+            return str(error)
+        return ""
+
     def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
         """Step the parameters at ``indices`` that ``rank`` owns."""
         position = {index: k for k, index in enumerate(state.plan.owned_by(rank))}
@@ -185,9 +198,20 @@ def zero(optimizer: Optimizer) -> Zero:
         """One whole iteration in place, after the rank check; returns the state at step + 1."""
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
         if isinstance(collective, DistributedCollective):
-            collective.check_same_on_all_ranks(
-                leaves, context=f"plan {state.plan.digest()} step {state.step}", what="one ZeRO step"
-            )
+            # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
+            # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
+            refusal = _refusal(grad_leaves, state, collective.rank)
+            context = with_refusal(f"plan {state.plan.digest()} step {state.step}", refusal)
+            try:
+                collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")
+            except RankMismatchError as error:
+                if refusals(error):
+                    raise ValueError(
+                        f"A ZeRO step was refused ({'; '.join(refusals(error))}); nothing was stepped on any rank."
+                    ) from error
+                raise
+            if refusal:  # one rank: no check ran
+                raise ValueError(refusal)
         state, handle = _step_and_broadcast(leaves, grad_leaves, state, range(len(leaves)), collective)
         handle.wait()
         return end_iteration(state)
