@@ -15,6 +15,8 @@ that every tensor and every state is as before:
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 
@@ -240,3 +242,64 @@ def _owner_refuses(rank, world_size):
 def test_a_rank_that_owns_nothing_raises_the_owners_refusal_at_once():
     for seconds in run_workers(_owner_refuses, 2, gloo_timeout=20, timeout=40):
         assert seconds < 5  # not the collective's timeout
+
+
+def _diloco_mid_run():
+    """A DiLoCo run on 2 simulated ranks saved with a delayed synchronization in flight;
+    the transform, the saved dict, a template, and the drift of each later step."""
+    transform = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=2, fragments=2, delay=1)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(1, 3, generator=gen).expand(2, 3).clone(), torch.randn(1, 2, 2, generator=gen).expand(2, 2, 2).clone()]
+    drifts = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(7)]
+    collective = puredist.SimulatedCollective(2)
+    state = transform.init(params)
+    for drift in drifts[:3]:
+        for p, d in zip(params, drift):
+            p.add_(d)
+        state = transform.update_(params, state, collective=collective)
+    assert state.in_flight  # fragment 0's synchronization started at step 2 applies at step 3
+    return transform, transform.state_dict(state, rank=0), [p.clone() for p in params], drifts[3:]
+
+
+def _continue(transform, saved, params, drifts):
+    params = [p.clone() for p in params]
+    state = transform.load_state_dict(transform.init(params), saved, rank=0)
+    for drift in drifts:
+        for p, d in zip(params, drift):
+            p.add_(d)
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(2))
+    return params
+
+
+MID_RUN = _diloco_mid_run()
+UNCHANGED = _continue(*MID_RUN)
+
+
+def _mutated(value, how: str):
+    if how == "drop":
+        return None
+    if isinstance(value, torch.Tensor):
+        if how == "shape":
+            return torch.cat([value.flatten(), value.flatten()[:1]]) if value.numel() else torch.zeros(1)
+        return value.double() if value.dtype != torch.float64 else value.float()
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + (1 if how == "shape" else -1)
+    return value + " changed"
+
+
+@given(key=st.sampled_from(sorted(MID_RUN[1])), how=st.sampled_from(["drop", "shape", "dtype"]))
+def test_a_checkpoint_with_any_entry_changed_or_dropped_is_refused_or_continues_the_same_run(key, how):
+    transform, saved, params, drifts = MID_RUN
+    changed = dict(saved)
+    if how == "drop":
+        del changed[key]
+    else:
+        changed[key] = _mutated(saved[key], how)
+    try:
+        continued = _continue(transform, changed, params, drifts)
+    except ValueError as error:
+        assert "saved" in str(error)  # refused, naming the argument
+        return
+    assert all(torch.equal(a, b) for a, b in zip(continued, UNCHANGED)), (key, how)

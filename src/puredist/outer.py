@@ -166,6 +166,13 @@ def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
     return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
 
 
+def _entry(value: object) -> str:
+    """A checkpoint entry, described without its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and {value.dtype}"
+    return f"{type(value).__name__} {value!r}" if isinstance(value, bool) else type(value).__name__
+
+
 def _world_size() -> int:
     """The default process group's size, or -1 outside one (simulated ranks)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else -1
@@ -601,12 +608,12 @@ def outer_optimizer(
 
     def check_saved(state: OuterState, saved: Mapping[str, Any], fragment_leaves, rank: int) -> None:
         """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
-        can be loaded on ``rank`` (nothing is built before it passes)."""
-        if saved.get("config") != config:
-            raise ValueError(
-                f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
-                f"{config!r}: the schedules and payloads differ, so it cannot continue that run."
-            )
+        can be loaded on ``rank`` (nothing is built before it passes): first what says
+        whose checkpoint it is (configuration, optimizer, world size), then that every
+        entry is there, then the values that must agree (step, shapes, steps in flight),
+        then every entry's kind."""
+        check_origin(state, saved, fragment_leaves, rank)
+        check_entries(state, saved, rank, kinds=False)
         step = saved["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
@@ -614,6 +621,36 @@ def outer_optimizer(
             shape = tuple(saved[f"global.{i}"].shape)
             if shape != tuple(template.shape):
                 raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+        for i, template in enumerate(state.residuals):
+            shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
+            if shape != tuple(template.shape):
+                raise ValueError(
+                    f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
+                    "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
+                )
+        for f, indices in enumerate(fragment_leaves):
+            apply_step = int(saved[f"in_flight.{f}.apply_step"])
+            if apply_step >= 0 and not step <= apply_step <= step + delay:
+                raise ValueError(
+                    f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, "
+                    f"outside [{step}, {step + delay}] for the saved step {step}."
+                )
+            started = apply_step - delay
+            if apply_step >= 0 and not (started < step and f in due_fragments(started)):
+                raise ValueError(
+                    f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, so it "
+                    f"started at step {started}: not one of its synchronizations before the saved step {step}."
+                )
+        check_entries(state, saved, rank, kinds=True)
+
+    def check_origin(state: OuterState, saved: Mapping[str, Any], fragment_leaves, rank: int) -> None:
+        """Raise ``ValueError`` where ``saved`` comes from another transform, another
+        outer optimizer, or a world size whose rank-local entries this rank lacks."""
+        if saved.get("config") != config:
+            raise ValueError(
+                f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
+                f"{config!r}: the schedules and payloads differ, so it cannot continue that run."
+            )
         fields = set(state.outer_state[0]._fields) if state.outer_state else set()
         saved_fields = {key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present")}
         if saved_fields - fields:
@@ -639,26 +676,47 @@ def outer_optimizer(
                 f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
                 "size. Each rank's residuals are its own; a compressed run resumes at the world size it was saved at."
             )
-        for i, template in enumerate(state.residuals):
-            shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
-            if shape != tuple(template.shape):
-                raise ValueError(
-                    f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
-                    "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
-                )
-        for f, indices in enumerate(fragment_leaves):
-            apply_step = int(saved[f"in_flight.{f}.apply_step"])
-            if apply_step >= 0 and not step <= apply_step <= step + delay:
-                raise ValueError(
-                    f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, "
-                    f"outside [{step}, {step + delay}] for the saved step {step}."
-                )
-            if apply_step >= 0 and delay and f"in_flight.{f}.snapshot.0.rank{rank}" not in saved:
+        for f in range(len(fragment_leaves)):
+            in_flight = saved.get(f"in_flight.{f}.apply_step", -1)
+            if delay and in_flight != -1 and f"in_flight.{f}.snapshot.0.rank{rank}" not in saved:
                 raise ValueError(
                     f"Arg ``saved`` holds no snapshot of rank {rank} for fragment {f}'s synchronization in flight: "
                     "it was saved at a smaller world size. A checkpoint loads at another world size only when no "
                     "delayed synchronization is in flight (save at a step where none is, e.g. a multiple of "
                     "sync_every that applies no delay)."
+                )
+
+    def check_entries(state: OuterState, saved: Mapping[str, Any], rank: int, *, kinds: bool) -> None:
+        """Every entry this transform's checkpoint has is in ``saved`` (``kinds``: and of
+        the same kind: a tensor of the same shape, and dtype but for a snapshot, which is
+        in the parameter's; the same Python type; each outer-state field present where
+        this optimizer's state has it). Absent may be only ``world_size`` (older
+        checkpoints), a field this optimizer's state does not have either (with its
+        presence flag), and other ranks' snapshots where none is in flight."""
+        expected = state_dict(state, rank=rank)
+        for key, template in expected.items():
+            if key not in saved:
+                field_absent = key.endswith(".present") and not template or (
+                    key.startswith("outer.") and not expected.get(f"{key}.present", True)
+                )
+                # another world size: the snapshots of other ranks (none in flight: checked before)
+                idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.apply_step") == -1
+                if key == "world_size" or field_absent or idle_snapshot:
+                    continue
+                raise ValueError(f"Arg ``saved`` lacks ``{key}``, which this transform's checkpoint holds.")
+            if not kinds:
+                continue
+            value = saved[key]
+            if isinstance(template, torch.Tensor):
+                same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(template.shape) and (
+                    value.dtype == template.dtype or ".snapshot." in key
+                )
+            else:
+                same = type(value) is type(template) and (not key.endswith(".present") or value == template)
+            if not same:
+                raise ValueError(
+                    f"Arg ``saved``: ``{key}`` is {_entry(value)}, where this transform's checkpoint holds "
+                    f"{_entry(template)}: it is not a state of this transform for these parameters."
                 )
 
     return OuterTransform(init, update, update_, state_dict, load_state_dict)
