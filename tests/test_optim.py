@@ -327,3 +327,29 @@ def test_a_schedule_runs_under_vmap_with_the_counts_unmapped(functional, kwargs,
     assert state[0].step.item() == 3.0
     for r in range(replicas):  # (Adam's differentiable kernel takes the step's powers in float32)
         torch.testing.assert_close(stacked[0][r], eager[r][0], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_recorded_first_momentum_step_equals_torchs_from_a_state_without_buffers(nesterov):
+    # a state without momentum buffers (torch's first step, or a checkpoint that kept none) takes the recorded
+    # path's own first step (torch's buf = grad, kept differentiable): its values must be torch's
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(3, 2, generator=gen), torch.randn(4, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in start] for _ in range(3)]
+    options = dict(lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.01)
+    eager, recorded = puredist.sgd(**options), puredist.sgd(**options, differentiable=True)
+    no_buffers = [puredist.optim.SGDParamState(None) for _ in start]
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    torch_sgd = torch.optim.SGD(reference, **options)
+    ours_eager, state_eager = [t.clone() for t in start], list(no_buffers)
+    ours_recorded, state_recorded = [t.clone().requires_grad_() for t in start], list(no_buffers)
+    for g in grads:
+        for p, gi in zip(reference, g):
+            p.grad = gi
+        torch_sgd.step()
+        ours_eager, state_eager = eager.update(ours_eager, g, state_eager)
+        ours_recorded, state_recorded = recorded.update(ours_recorded, g, state_recorded)
+        assert ours_recorded[0].grad_fn is not None  # recorded
+    for torch_p, e, r in zip(reference, ours_eager, ours_recorded):
+        assert torch.equal(e, torch_p.detach())
+        torch.testing.assert_close(r.detach(), torch_p.detach(), rtol=1e-6, atol=1e-7)

@@ -261,3 +261,38 @@ def _bad_loads(rank, world_size):
 
 def test_loads_are_checked_on_every_rank_before_anything_changes():
     assert run_workers(_bad_loads, 2) == [True, True]
+
+
+def _mixed_dtypes_and_bucket_view(rank, world_size):
+    # the README's claims: parameters of several dtypes are taken (torch refuses them), and
+    # parameters_as_bucket_view is accepted with no effect (storage unchanged, the same steps)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen).double(),
+             torch.randn(3, 3, generator=gen).bfloat16()]
+    runs = {}
+    for view in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        pointers = [p.data_ptr() for p in params]
+        zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9, parameters_as_bucket_view=view)
+        for step in range(3):
+            for p in params:  # the same on every rank, as DDP hands them over
+                p.grad = torch.full_like(p, 0.1 * (1 + step))
+            zero.step()
+        assert [p.data_ptr() for p in params] == pointers
+        runs[view] = params
+    # oracle: the plain optimizer with the same gradients
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    plain = torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    for step in range(3):
+        for p in reference:
+            p.grad = torch.full_like(p, 0.1 * (1 + step))
+        plain.step()
+    for view in (False, True):
+        for ours, theirs in zip(runs[view], reference):
+            assert ours.dtype == theirs.dtype
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    return True
+
+
+def test_parameters_of_several_dtypes_step_and_the_bucket_view_changes_nothing():
+    assert run_workers(_mixed_dtypes_and_bucket_view, 2) == [True, True]
