@@ -303,3 +303,24 @@ def test_a_checkpoint_with_any_entry_changed_or_dropped_is_refused_or_continues_
         assert "saved" in str(error)  # refused, naming the argument
         return
     assert all(torch.equal(a, b) for a, b in zip(continued, UNCHANGED)), (key, how)
+
+
+def _residuals_at_another_sharding(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def transform_and_state(replicas, shards):
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        leaf = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
+        diloco = puredist.outer_optimizer(puredist.sgd(**NESTEROV), sync_every=2, compressor=puredist.int8_blocks())
+        return diloco, diloco.init([leaf])
+
+    diloco, state = transform_and_state(2, 1)  # two replicas of an unsharded model: residuals (4, 4)
+    saved = diloco.state_dict(state, rank=rank)
+    diloco, template = transform_and_state(1, 2)  # one replica sharded in two: this rank's shard (2, 4)
+    with pytest.raises(ValueError, match=r"residual 0 has shape \(4, 4\), this rank's shard \(2, 4\).*another sharding"):
+        diloco.load_state_dict(template, saved, rank=rank)
+
+
+def test_compressed_residuals_saved_at_another_sharding_are_refused():
+    run_workers(_residuals_at_another_sharding, 2)
