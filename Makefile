@@ -1,5 +1,7 @@
 # Quick start: `make test` creates .venv, installs the pinned dev environment, runs pytest.
-PYTHON ?= python3.11
+# the first Python 3.11 or newer found: python3.11, python3.12, python3.13, then python3
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
@@ -7,6 +9,7 @@ export OMP_NUM_THREADS := 1
 .PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
+	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@

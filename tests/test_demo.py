@@ -40,10 +40,14 @@ def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
     summary = json.loads((out / "results.json").read_text())
     assert summary["task"] == "digits" and summary["world_size"] == 2
     assert list(summary["algorithms"]) == ALGORITHMS
+    config = summary["config"]  # what ran, to run it again
+    assert (config["task"], config["steps"], config["seed"], config["world_size"]) == ("digits", 40, 0, 2)
+    assert config["optimizer"] == "sgd" and config["versions"]["puredist"] and config["versions"]["torch"]
+    assert "(* the best on that link" in done.stdout
     for row in summary["algorithms"].values():
         assert row["eval_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
         # the held-out loss of the averaged model falls below a uniform guess's (ln 10)
-        assert row["eval_loss"] < 2.0 and row["eval_loss"] == row["evaluations"][-1][2]
+        assert row["eval_loss"] < 2.0 and row["eval_loss"] == row["evaluations"][-1]["loss"]
         assert len(row["train_losses"]) == 40 and len(row["step_bytes"]) == 40
         assert row["state_bytes_max"] > 0
 
@@ -82,7 +86,7 @@ def test_the_projection_follows_the_network_model(tiny_run):
     # the median of those steps' durations, so several runs have steps that sent nothing at all
     assert sum(row["step_bytes"].count(0) for row in runs.values()) > 40
     for name, row in runs.items():
-        reached = next((step for step, _, loss, _ in row["evaluations"] if loss <= model["target_eval_loss"]), None)
+        reached = next((e["step"] for e in row["evaluations"] if e["loss"] <= model["target_eval_loss"]), None)
         assert row["steps_to_target"] == reached, name
         for link in model["links"]:
             projected = row["projected_s"][link["name"]]
@@ -103,8 +107,8 @@ def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_ru
         budget = model["budget_s"][link["name"]]
         assert budget == pytest.approx(min(whole_runs.values()), rel=1e-9)
         for name, row in runs.items():
-            in_time = [loss for step, _, loss, _ in row["evaluations"]
-                       if _projected(row["step_bytes"], step, model["compute_s_per_step"], link, summary["world_size"])
+            in_time = [e["loss"] for e in row["evaluations"]
+                       if _projected(row["step_bytes"], e["step"], model["compute_s_per_step"], link, summary["world_size"])
                        <= budget * (1 + 1e-9)]
             assert row["projected_loss_within_budget"][link["name"]] == min(in_time, default=None), (name, link)
     # on the slowest link, local methods send a fraction of DDP's bytes and so get further than DDP in the same time
@@ -158,6 +162,20 @@ def test_missing_demo_extras_give_the_install_hint_before_anything_starts(absent
     err = capsys.readouterr().err
     assert err.strip().endswith("pip install 'puredist[demo]'") and len(err.strip().splitlines()) == 1
     assert cli.DEMO_EXTRAS[absent] in err
+
+
+def test_an_algorithm_named_twice_trains_once():
+    args = cli.build_parser().parse_args(["--algorithms", "ddp,diloco,ddp"])
+    assert args.algorithms == ["ddp", "diloco"]
+
+
+def test_the_ratio_to_the_first_algorithm_is_not_shown_when_it_sent_nothing():
+    from puredist.demo.report import table
+
+    row = {"eval_loss": 1.0, "eval_accuracy": 0.5, "wall_s": 1.0, "bytes_per_worker_max": 0, "state_bytes_max": 1}
+    summary = {"algorithms": {"local": {**row, "bytes_per_worker": 0}, "ddp": {**row, "bytes_per_worker": 10**6}}}
+    lines = table(summary).splitlines()
+    assert all(" n/a " in line for line in lines[1:]), lines
 
 
 def test_help_explains_the_options():
@@ -220,4 +238,6 @@ def test_the_package_lists_its_commands_and_version():
     assert done.returncode == 0 and done.stdout.strip() == puredist.__version__ == version("puredist")
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=ENV)
     assert done.returncode == 2 and "commands:" in done.stderr
+    done = subprocess.run([*command, "train"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 2 and "unknown command 'train'" in done.stderr
     assert (Path(puredist.__file__).parent / "py.typed").is_file()  # typed package (PEP 561)

@@ -86,7 +86,7 @@ def test_a_short_language_model_run_learns_and_reports(tmp_path):
     assert summary["task"] == "lm" and list(summary["algorithms"]) == ["ddp", "diloco_int4"]
     uniform = math.log(len(charlm.corpus()[1]))
     for row in summary["algorithms"].values():
-        first_loss = row["evaluations"][0][2]
+        first_loss = row["evaluations"][0]["loss"]
         assert row["eval_loss"] < first_loss and row["eval_loss"] < uniform - 0.5  # 12 AdamW steps learn something
     # 12 steps are all inside the 32-step warm-up: DiLoCo sent nothing, though every step was evaluated (the
     # barrier before each evaluation is not counted), so the compute time per step is known

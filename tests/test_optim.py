@@ -353,3 +353,15 @@ def test_a_recorded_first_momentum_step_equals_torchs_from_a_state_without_buffe
     for torch_p, e, r in zip(reference, ours_eager, ours_recorded):
         assert torch.equal(e, torch_p.detach())
         torch.testing.assert_close(r.detach(), torch_p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [lambda: puredist.sgd(0.1, momentum=0.9), lambda: puredist.adam()])
+def test_arguments_in_optax_order_are_named_as_such(make):
+    opt = make()
+    params = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    state = opt.init(params)
+    for update in (opt.update, opt.update_):
+        with pytest.raises(ValueError, match=r"optax's order, update\(grads, state, params\)"):
+            update(grads, state, params)
+    assert torch.equal(params["w"], torch.ones(2, 3))

@@ -22,6 +22,7 @@ if __name__ == "__main__":
         print(__version__)
         sys.exit(0)
     if arguments[:1] != ["demo"]:
-        print(USAGE, file=sys.stderr)
+        named = f"error: unknown command {arguments[0]!r}\n\n" if arguments else ""
+        print(named + USAGE, file=sys.stderr)
         sys.exit(2)
     sys.exit(main(arguments[1:]))

@@ -317,6 +317,12 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
                 f"returns it; got a {type(state).__name__} that is not."
             ) from error
     if len(states) != count or not set(map(type, states)) <= _PARAM_STATE_TYPES:
+        if states and all(isinstance(s, torch.Tensor) for s in states):
+            raise ValueError(
+                "Arg ``state`` holds tensors where per-parameter states belong: were the arguments given in optax's "
+                "order, update(grads, state, params)? puredist's is update(params, grads, state), as torch.optim's "
+                "step updates the parameters."
+            )
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
     return states
 

@@ -33,7 +33,7 @@ def _positive_int(text: str) -> int:
 
 
 def _algorithms(text: str) -> list[str]:
-    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    chosen = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each once
     unknown = [name for name in chosen if name not in ALGORITHMS]
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or [text]}; choose from {', '.join(ALGORITHMS)}")
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithms", type=_algorithms, default=list(ALGORITHMS),
         help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)",
     )
-    parser.add_argument("--output", type=Path, default=Path("out/demo"), help="folder for demo.png and results.json (default out/demo)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="folder for demo.png and results.json (default out/demo, out/demo-lm for --task lm)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data split, model and batches (default 0)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
@@ -88,6 +89,25 @@ def _writable_folder(path: Path) -> str | None:
     except OSError as error:
         return f"{error.strerror or error}"
     return None
+
+
+def _run_config(args: argparse.Namespace, task) -> dict:
+    """What ``results.json`` records of the run: enough to run it again and to know what ran."""
+    import platform
+
+    import torch
+
+    from puredist import __version__
+    from puredist.demo.training import OUTER_OPTIONS, STREAMING_DELAY, STREAMING_FRAGMENTS
+
+    return {
+        "task": args.task, "steps": args.steps, "seed": args.seed, "world_size": args.world_size,
+        "algorithms": args.algorithms, "device": args.device, "backend": args.backend,
+        "period": task.period, "warmup_steps": task.warmup_steps,
+        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": OUTER_OPTIONS,
+        "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
+        "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
+    }
 
 
 def _launch(args: argparse.Namespace) -> dict:
@@ -136,6 +156,7 @@ def _most_workers(available: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.output = args.output or Path("out/demo" if args.task == "digits" else f"out/demo-{args.task}")
     missing = _missing_extras()
     if missing:
         print(f"error: the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'", file=sys.stderr)
@@ -184,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as error:
         print(f"\nerror: a worker failed:\n{error.format_msg()}", file=sys.stderr)
         return 1
-    summary = summarize(results, task.name, task.title)
+    summary = summarize(results, task.name, task.title, _run_config(args, task))
     print()
     print(table(summary))
     print()

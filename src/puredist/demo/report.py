@@ -11,7 +11,7 @@ LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))
 """One per algorithm, so that curves that coincide (ZeRO is DDP step for step) stay visible."""
 
 
-def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict[str, Any]:
+def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job's summary (what ``results.json`` holds).
 
     Per algorithm (``"algorithms"``): the averaged model's held-out loss and accuracy
@@ -19,8 +19,11 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict
     time, bytes sent per worker (mean and largest), the optimizer state a worker holds
     (largest), rank 0's curves, the slowest worker's bytes per step, and the network
     model's projection (``steps_to_target``, ``projected_s`` per link: None where the
-    target was not reached). ``"network_model"``: its inputs, the target being the first
-    algorithm's final held-out loss.
+    target was not reached); ``evaluations`` lists, for each evaluation, its ``step``,
+    held-out ``accuracy`` and ``loss``, and the mean ``bytes_per_worker`` sent so far.
+    ``"network_model"``: its inputs, the target being the first algorithm's final
+    held-out loss. ``"config"``: the run's configuration, as given (task, steps, seed,
+    world size, device, hyper-parameters, versions).
     """
     world_size = len(results)
     runs = {}
@@ -35,9 +38,9 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict
             "bytes_per_worker_max": max(r["bytes_sent"] for r in per_rank),
             "state_bytes_max": max(r["state_bytes"] for r in per_rank),
             "train_losses": per_rank[0]["losses"],
-            # (step, held-out accuracy, held-out loss, mean bytes sent per worker so far)
             "evaluations": [
-                (step, acc, loss, sum(r["evaluations"][k][3] for r in per_rank) / world_size)
+                {"step": step, "accuracy": acc, "loss": loss,
+                 "bytes_per_worker": sum(r["evaluations"][k][3] for r in per_rank) / world_size}
                 for k, (step, acc, loss, _) in enumerate(per_rank[0]["evaluations"])
             ],
             "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
@@ -55,7 +58,7 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict
         for link in network.LINKS if known
     }
     for run in runs.values():
-        curve = [(step, loss) for step, _, loss, _ in run["evaluations"]]
+        curve = [(e["step"], e["loss"]) for e in run["evaluations"]]
         reached = network.steps_to_reach(curve, target)
         run["steps_to_target"] = reached
         run["projected_s"] = {
@@ -69,6 +72,7 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str) -> dict
             for link in network.LINKS
         }
     return {
+        "config": config or {},
         "task": task,
         "title": title,
         "world_size": world_size,
@@ -89,7 +93,7 @@ def table(summary: dict[str, Any]) -> str:
     and accuracy, wall time, bytes sent per worker (mean, largest, the mean's ratio to
     the first algorithm's), and the optimizer state a worker holds."""
     runs = summary["algorithms"]
-    first = next(iter(runs.values()))["bytes_per_worker"] or 1
+    first = next(iter(runs.values()))["bytes_per_worker"]  # 0: the first algorithm sent nothing, no ratio
     lines = [
         f"{'algorithm':14s} {'held-out loss':>13s} {'acc':>6s} {'wall':>6s} "
         f"{'sent/worker':>12s} {'max':>10s} {'vs first':>8s} {'opt state':>10s}",
@@ -98,7 +102,8 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(
             f"{algorithm:14s} {row['eval_loss']:13.3f} {100 * row['eval_accuracy']:5.1f}% {row['wall_s']:5.1f}s "
             f"{_size(row['bytes_per_worker']):>12s} {_size(row['bytes_per_worker_max']):>10s} "
-            f"{row['bytes_per_worker'] / first:7.3f}x {_size(row['state_bytes_max']):>10s}"
+            + (f"{row['bytes_per_worker'] / first:7.3f}x " if first else f"{'n/a':>8s} ")
+            + f"{_size(row['state_bytes_max']):>10s}"
         )
     return "\n".join(lines)
 
@@ -144,6 +149,7 @@ def projection_table(summary: dict[str, Any]) -> str:
         "held-out loss reached within the same time (the fastest whole run's, per link):",
         f"{'algorithm':14s} {'':6s} " + " ".join(f"{_duration(model['budget_s'][link]):>12s}" for link in links),
         *_per_link(runs, links, "projected_loss_within_budget", lambda loss: f"{loss:.3f}", lambda row: ""),
+        "(* the best on that link; - not reached)",
     ])
 
 
@@ -159,7 +165,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
     for index, (algorithm, row) in enumerate(summary["algorithms"].items()):
         style = dict(label=algorithm, linestyle=LINE_STYLES[index % len(LINE_STYLES)])
-        steps, accuracies, losses, sent = zip(*row["evaluations"])
+        steps, accuracies, losses, sent = zip(*(tuple(e.values()) for e in row["evaluations"]))
         mib = [b / 2**20 for b in sent]
         axes[0][0].plot(steps, losses, marker="o", markersize=3, **style)
         axes[0][1].plot(mib, losses, marker="o", markersize=3, **style)
