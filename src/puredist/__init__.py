@@ -1,6 +1,24 @@
 """puredist: communication-efficient distributed training as pure functions over
 explicit state, with drop-in replacements for torch's classes in
-:mod:`puredist.classic`."""
+:mod:`puredist.classic`.
+
+Where to start:
+
+- a collective, the explicit argument every function takes:
+  :class:`~puredist.collectives.DistributedCollective` (real ranks, Gloo or NCCL),
+  :class:`~puredist.collectives.SimulatedCollective` and :class:`~puredist.VmapCollective`
+  (many ranks in one process) — :mod:`puredist.collectives`;
+- averaging and its schedules: :func:`average_`, :func:`periodic_averager`,
+  :func:`hierarchical_averager` — :mod:`puredist.averaging`;
+- DiLoCo and local SGD with an outer optimizer: :func:`outer_optimizer` — :mod:`puredist.outer`;
+- the functional optimizers :func:`sgd`, :func:`adam`, :func:`adamw` — :mod:`puredist.optim`;
+- ZeRO: :func:`zero` with a plan from :func:`plan_zero` — :mod:`puredist.zero_sharded`,
+  :mod:`puredist.sharding`;
+- compressed averaging with error feedback: :mod:`puredist.compression`;
+- torch's classes, same names and signatures: :mod:`puredist.classic`.
+
+This module only re-exports them.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 
