@@ -32,8 +32,10 @@ from puredist._validation import (
 )
 from puredist.collectives import CollectiveHandle, Collective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
+from puredist._docs import fields_documented
 
 
+@fields_documented
 class AveragerState(NamedTuple):
     """State of a scheduled averager.
 
@@ -45,8 +47,17 @@ class AveragerState(NamedTuple):
     step: int
 
 
+@fields_documented
 class Averager(NamedTuple):
-    """A scheduled averager: ``init``, pure ``update`` and in-place ``update_``."""
+    """A scheduled averager (see the module docstring).
+
+    Attributes:
+        init: ``init(params=None) -> AveragerState``: the state at step 0.
+        update: ``update(params, state, *, collective) -> (params, state)``: pure; when
+            the schedule says so, new tensors holding the mean (differentiable).
+        update_: ``update_(params, state, *, collective) -> state``: averages
+            ``params``' own storage when the schedule says so.
+    """
 
     init: Callable[[PyTree], AveragerState]
     update: Callable[..., tuple[PyTree, AveragerState]]

@@ -41,6 +41,7 @@ from puredist._dtensors import check_not_pending, like, local_shard
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
+from puredist._docs import fields_documented
 
 __all__ = [
     "CompressedAverager",
@@ -56,6 +57,7 @@ __all__ = [
 Payload = tuple[torch.Tensor, ...]
 
 
+@fields_documented
 class Compressor(NamedTuple):
     """A lossy code for flat fp32 tensors.
 
@@ -154,6 +156,7 @@ def top_k(fraction: float) -> Compressor:
     return Compressor(f"top_k({fraction})", encode, decode)
 
 
+@fields_documented
 class CompressionState(NamedTuple):
     """Error feedback of a :func:`compressed_averager` on one rank.
 
@@ -166,9 +169,14 @@ class CompressionState(NamedTuple):
     residuals: tuple[torch.Tensor, ...]
 
 
+@fields_documented
 class CompressedAverager(NamedTuple):
-    """``init(params) -> state`` and pure ``update(params, state, *, collective) ->
-    (means, state)`` (see :func:`compressed_averager`)."""
+    """A compressed averager with error feedback (see :func:`compressed_averager`).
+
+    Attributes:
+        init: ``init(params) -> CompressionState``: zero residuals.
+        update: ``update(params, state, *, collective) -> (means, state)``: pure.
+    """
 
     init: Callable[[PyTree], CompressionState]
     update: Callable[..., tuple[PyTree, CompressionState]]

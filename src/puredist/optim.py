@@ -46,8 +46,10 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._inputs import is_transformed, transforms_active
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
+from puredist._docs import fields_documented
 
 
+@fields_documented
 class SGDParamState(NamedTuple):
     """SGD state of one parameter.
 
@@ -64,6 +66,7 @@ class SGDParamState(NamedTuple):
     step: torch.Tensor | None = None
 
 
+@fields_documented
 class AdamParamState(NamedTuple):
     """Adam/AdamW state of one parameter (torch's layout).
 
@@ -84,11 +87,14 @@ _PARAM_STATES = (SGDParamState, AdamParamState)
 _PARAM_STATE_TYPES = set(_PARAM_STATES)
 
 
+@fields_documented
 class Optimizer(NamedTuple):
     """A functional optimizer (see the module docstring).
 
     Attributes:
-        init, update, update_: as the module docstring says.
+        init: ``init(params) -> state``: per-parameter states in a tree shaped like ``params``.
+        update: ``update(params, grads, state) -> (params, state)``: pure.
+        update_: ``update_(params, grads, state) -> state``: steps ``params`` in place.
         config: what it is, its kind and every hyper-parameter (a schedule shown as
             ``<schedule>``), e.g. ``"sgd(lr=0.7, momentum=0.9, ...)"``: what the outer
             optimizer's rank check and checkpoints compare; ``""`` for one built by hand.

@@ -66,6 +66,7 @@ from puredist.compression import Compressor, compressed_mean
 from puredist.replicas import VmapCollective
 from puredist.optim import Optimizer, clone_states, copies
 from puredist.schedules import hierarchical_schedule
+from puredist._docs import fields_documented
 
 
 def _pinned_if_host_of_gpu(copy: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -105,6 +106,7 @@ class _SyncContext(NamedTuple):
         return f"{self.config} sync of fragment {self.fragment} started at step {self.start_step}"
 
 
+@fields_documented
 class InFlight(NamedTuple):
     """One fragment's synchronization, started and not yet applied.
 
@@ -125,6 +127,7 @@ class InFlight(NamedTuple):
     handle: CollectiveHandle
 
 
+@fields_documented
 class OuterState(NamedTuple):
     """State of an outer-optimization transform.
 
@@ -144,6 +147,7 @@ class OuterState(NamedTuple):
     residuals: tuple[torch.Tensor, ...] = ()
 
 
+@fields_documented
 class OuterTransform(NamedTuple):
     """``init``, pure ``update``, in-place ``update_``, and the checkpoint pair.
 
@@ -153,6 +157,14 @@ class OuterTransform(NamedTuple):
     others are identical on every rank. ``load_state_dict(state, saved, *, rank)``
     returns the state saved, with ``state`` (any state of this transform on this rank,
     e.g. a fresh ``init``) as the template.
+
+    Attributes:
+        init: ``init(params) -> OuterState``: step 0, the global copy, fresh outer state.
+        update: ``update(params, state, *, collective) -> (params, state)``: pure (and
+            under ``torch.func`` transforms for synchronous, uncompressed syncs).
+        update_: ``update_(params, state, *, collective) -> state``: in place.
+        state_dict: ``state_dict(state, *, rank) -> dict``: the checkpoint.
+        load_state_dict: ``load_state_dict(state, saved, *, rank) -> OuterState``: checked first.
     """
 
     init: Callable[[PyTree], OuterState]

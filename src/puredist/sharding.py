@@ -24,9 +24,12 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple, Sequence
 
+from puredist._docs import fields_documented
+
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
 
+@fields_documented
 class ZeroPlan(NamedTuple):
     """Ownership of every parameter (leaf order) among ``world_size`` ranks.
 

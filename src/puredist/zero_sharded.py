@@ -43,8 +43,10 @@ from puredist.replicas import VmapCollective
 from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
+from puredist._docs import fields_documented
 
 
+@fields_documented
 class ZeroState(NamedTuple):
     """State of a ZeRO-sharded optimizer on one rank.
 
@@ -61,8 +63,23 @@ class ZeroState(NamedTuple):
     owned: tuple
 
 
+@fields_documented
 class Zero(NamedTuple):
-    """A ZeRO-sharded optimizer (see the module docstring)."""
+    """A ZeRO-sharded optimizer (see the module docstring).
+
+    Attributes:
+        init: ``init(params, *, plan, rank) -> ZeroState``: the state of ``rank``'s
+            share (``rank=None``: every rank's, simulated).
+        update: ``update(params, grads, state, *, collective) -> (params, state)``: pure
+            (under ``vmap`` with a ``VmapCollective``).
+        update_: ``update_(params, grads, state, *, collective) -> state``: one whole
+            iteration in place, after the rank check.
+        update_subset_: ``update_subset_(params, grads, state, *, indices, collective)
+            -> (state, handle)``: step the owned parameters among ``indices`` and start
+            their broadcasts (what the DDP hooks run per bucket).
+        end_iteration: ``end_iteration(state) -> state``: the step count + 1, after
+            every bucket of an iteration.
+    """
 
     init: Callable[..., ZeroState]
     update: Callable[..., tuple[PyTree, ZeroState]]
