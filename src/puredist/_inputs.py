@@ -120,12 +120,13 @@ def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "ten
     return result
 
 
-def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *, why: str) -> Checked:
+def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *, why: object) -> Checked:
     """``fresh`` as a :class:`Checked`: new tensors made from ``originals`` (clones,
     the results of a multi-tensor kernel over them), so of the same shapes, dtypes,
     devices and strides at new addresses, each its own memory. Their layout is kept
-    with the originals' under ``why`` (how they were made), so that tensors made anew
-    at every step are checked and planned once, not at every call."""
+    with the originals' under ``why`` (how they were made, with whatever else decides
+    their metadata, e.g. the other operand's layout), so that tensors made anew at
+    every step are checked and planned once, not at every call."""
     result = Checked(fresh)
 
     def made() -> Layout:

@@ -363,7 +363,8 @@ def outer_optimizer(
             locals_ = [leaves[i] for i in indices]
             if same_place and leaves.layout.plain:
                 globals_ = [state.global_params[i] for i in indices]
-                pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why="foreach_sub")
+                # the differences' strides follow both operands': their layout is kept per layout of the leaves too
+                pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
             else:
                 pseudo = tuple(pseudo_gradient(state.global_params[i], leaves[i].detach()) for i in indices)
             snapshot = tuple(copies(locals_)) if delay else ()
