@@ -241,7 +241,7 @@ def _owner_refuses(rank, world_size):
 
 def test_a_rank_that_owns_nothing_raises_the_owners_refusal_at_once():
     for seconds in run_workers(_owner_refuses, 2, gloo_timeout=20, timeout=40):
-        assert seconds < 5  # not the collective's timeout
+        assert seconds < 10  # well before the collective's timeout (20 s), which it used to wait out
 
 
 def _diloco_mid_run():
