@@ -626,7 +626,8 @@ def outer_optimizer(
         entry is there, then the values that must agree (step, shapes, steps in flight),
         then every entry's kind."""
         check_origin(state, saved, fragment_leaves, rank)
-        check_entries(state, saved, rank, kinds=False)
+        expected = state_dict(state, rank=rank)  # this transform's entries, from the template
+        check_entries(expected, saved, kinds=False)
         step = saved["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
@@ -654,7 +655,7 @@ def outer_optimizer(
                     f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, so it "
                     f"started at step {started}: not one of its synchronizations before the saved step {step}."
                 )
-        check_entries(state, saved, rank, kinds=True)
+        check_entries(expected, saved, kinds=True)
 
     def check_origin(state: OuterState, saved: Mapping[str, Any], fragment_leaves, rank: int) -> None:
         """Raise ``ValueError`` where ``saved`` comes from another transform, another
@@ -699,14 +700,14 @@ def outer_optimizer(
                     "sync_every that applies no delay)."
                 )
 
-    def check_entries(state: OuterState, saved: Mapping[str, Any], rank: int, *, kinds: bool) -> None:
-        """Every entry this transform's checkpoint has is in ``saved`` (``kinds``: and of
+    def check_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], *, kinds: bool) -> None:
+        """Every entry of ``expected`` (this transform's checkpoint of the template) is in
+        ``saved`` (``kinds``: and of
         the same kind: a tensor of the same shape, and dtype but for a snapshot, which is
         in the parameter's; the same Python type; each outer-state field present where
         this optimizer's state has it). Absent may be only ``world_size`` (older
         checkpoints), a field this optimizer's state does not have either (with its
         presence flag), and other ranks' snapshots where none is in flight."""
-        expected = state_dict(state, rank=rank)
         for key, template in expected.items():
             if key not in saved:
                 field_absent = key.endswith(".present") and not template or (
