@@ -219,7 +219,7 @@ def test_a_contiguity_mismatch_raises_instead_of_desynchronizing_the_buckets():
     assert run_workers(_contiguity_mismatch, 2, timeout=60) == [True, True]
 
 
-def _bucketed_in_place(rank, world_size, cap):
+def _bucketed_in_place(rank, world_size, cap, async_op):
     params = [torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + n)) for n in (3, 500, 7, 40, 1, 300, 2**18 + 5)]
     params.append(torch.randn(20, 20, generator=torch.Generator().manual_seed(rank)).t())  # non-contiguous
     expected = []
@@ -229,15 +229,17 @@ def _bucketed_in_place(rank, world_size, cap):
         expected.append(total / world_size)
     pointers = [p.data_ptr() for p in params]
     collective = puredist.DistributedCollective(bucket_cap_bytes=cap)
-    handle = puredist.average_(params, collective=collective, async_op=True)
-    handle.wait()
-    assert handle.is_completed()
+    handle = puredist.average_(params, collective=collective, async_op=async_op)
+    if async_op:
+        handle.wait()
+        assert handle.is_completed()
     assert [p.data_ptr() for p in params] == pointers
     for p, e in zip(params, expected):
         torch.testing.assert_close(p, e, rtol=0, atol=0)
     return True
 
 
-@pytest.mark.parametrize("cap", [64, 1000, 2**20])
-def test_bucketing_and_async_handle_give_the_exact_mean_in_place(cap):
-    assert run_workers(_bucketed_in_place, 2, cap) == [True, True]
+@pytest.mark.parametrize("async_op", [True, False])
+@pytest.mark.parametrize("cap", [64, 1000, 2**20])  # 2**20: buckets of 512 KiB, divided into their targets
+def test_bucketing_and_async_handle_give_the_exact_mean_in_place(cap, async_op):
+    assert run_workers(_bucketed_in_place, 2, cap, async_op) == [True, True]

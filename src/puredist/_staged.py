@@ -113,6 +113,11 @@ class BucketSpec(NamedTuple):
             piece is flat).
         cuts: ``(position in the bucket, tensor index, start, stop)`` of the pieces
             that are cut out of a tensor (at most the first and the last).
+        divides_into_targets: a division after the collective writes its quotient
+            straight into the targets (one pass over the bytes instead of two) rather
+            than dividing the buffer and copying it (one kernel per bucket instead of
+            one per piece): for pieces of :data:`_FOLD_BYTES` or more on average,
+            where the bytes cost more than the launches.
     """
 
     position: int
@@ -122,6 +127,7 @@ class BucketSpec(NamedTuple):
     numels: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     cuts: tuple[tuple[int, int, int, int], ...]
+    divides_into_targets: bool
 
     def targets(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors (or flat ranges of them) this bucket's pieces are, in buffer order."""
@@ -149,7 +155,8 @@ def bucket_specs(tensors: Sequence[torch.Tensor], plan: Sequence[Bucket]) -> tup
             shapes.append(tuple(tensor.shape) if whole else (piece.stop - piece.start,))
             if not whole:
                 cuts.append((k, piece.index, piece.start, piece.stop))
-        specs.append(BucketSpec(position, bucket, first.device, first.dtype, tuple(numels), tuple(shapes), tuple(cuts)))
+        folds = bucket.nbytes >= _FOLD_BYTES * len(bucket.pieces)
+        specs.append(BucketSpec(position, bucket, first.device, first.dtype, tuple(numels), tuple(shapes), tuple(cuts), folds))
     return tuple(specs)
 
 
@@ -200,13 +207,17 @@ class _Bucket:
         self._work.wait()
 
     def write_back(self) -> None:
-        """Copy the result into the tensors (dividing the buffer first, once), then
-        let go of the buffer."""
+        """Copy the result into the tensors (divided on the way, or the buffer divided
+        first: see :attr:`BucketSpec.divides_into_targets`), then let go of the buffer."""
         if self._write_back:
-            if self._scale_after is not None:
-                self._buffer.div_(self._scale_after)
             with torch.no_grad():
-                torch._foreach_copy_(self._targets, self._views)
+                if self._scale_after is not None and self.spec.divides_into_targets:
+                    for target, view in zip(self._targets, self._views):
+                        torch.div(view, self._scale_after, out=target)
+                else:
+                    if self._scale_after is not None:
+                        self._buffer.div_(self._scale_after)
+                    torch._foreach_copy_(self._targets, self._views)
         if self._release is not None:
             self._release()
         self._buffer = self._views = self._work = self._release = self._targets = None
@@ -381,6 +392,10 @@ class _Spare:
             cached = self._views[id(spec)] = (spec, buffer, spec.views(buffer))
         return cached[1], cached[2]
 
+
+_FOLD_BYTES = 1 << 18
+"""Average piece size from which a bucket divides into its targets (256 KiB: a pass
+over them costs more than a kernel launch per piece on any device)."""
 
 _MAX_CACHED_VIEWS = 4096
 """Buckets whose staging views a pool keeps (the spec is kept with them, so its id stays its own)."""
