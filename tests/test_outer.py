@@ -186,6 +186,29 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
         assert sum(sizes[i] for i in part[:-1]) <= sum(sizes) / count
 
 
+@given(st.integers(1, 8), st.integers(0, 5), st.data())
+def test_the_schedule_alone_starts_each_fragment_every_sync_every_steps_staggered_by_its_share(sync_every, warmup, data):
+    """``puredist.outer.schedule`` without tensors, against the documented schedule
+    enumerated forwards: fragment f starts at warmup + floor(f * H / F), then every H
+    steps; its first synchronization is the one at its start; the lower level averages
+    the fragments neither starting nor in flight."""
+    from puredist.outer.config import OuterConfig
+    from puredist.outer.schedule import due_fragments, is_first_sync, lower_level_fragments
+
+    fragments = data.draw(st.integers(1, sync_every))
+    config = OuterConfig(puredist.sgd(0.7), sync_every, warmup, 0, fragments, lower_levels={1: 1})
+    steps = 3 * sync_every + warmup + 2
+    expected = {step: [] for step in range(steps)}
+    for f in range(fragments):
+        first = warmup + f * sync_every // fragments
+        for step in range(first, steps, sync_every):
+            expected[step].append(f)
+        assert is_first_sync(config, f, first) and not is_first_sync(config, f, first + sync_every)
+    assert {step: due_fragments(config, step) for step in range(steps)} == expected
+    level, idle = lower_level_fragments(config, warmup + 1, busy={0})
+    assert level == 0 and idle == list(range(1, fragments))
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

@@ -1,0 +1,229 @@
+"""The checkpoint of an outer-optimization transform: what it holds, and the checks
+that a saved one belongs to this transform and rank before anything is built.
+
+A checkpoint is a flat dict of fixed keys (the same for any state of one transform),
+which ``torch.save`` and ``torch.distributed.checkpoint`` both store:
+
+- ``step``, ``config`` (the transform's :attr:`~puredist.outer.config.OuterConfig.text`),
+  ``world_size``;
+- ``global.{i}``: the global copy of leaf ``i``;
+- ``outer.{i}.{field}`` and ``outer.{i}.{field}.present``: the outer optimizer's state
+  of leaf ``i`` (a field that is ``None`` is saved as zeros, marked absent);
+- ``in_flight.{f}.apply_step`` (``-1``: none), ``in_flight.{f}.pseudo_grad.{k}`` and,
+  with a delay, ``in_flight.{f}.snapshot.{k}.rank{r}``: fragment ``f``'s
+  synchronization in flight, completed before it is saved;
+- ``residual.{i}.rank{r}``: with a compressor, rank ``r``'s error-feedback residuals.
+
+Keys ending in ``rank{r}`` differ between ranks; the others are the same on every rank.
+
+This module must not communicate, except that ``state_dict`` waits for the
+synchronizations in flight (their results are what it saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from puredist._dtensors import like, local_shard
+from puredist.collectives import CollectiveHandle
+from puredist.outer.config import OuterConfig
+from puredist.outer.schedule import due_fragments, fragment_leaves
+from puredist.outer.state import InFlight, OuterState
+
+
+def _entry(value: object) -> str:
+    """A checkpoint entry, described without its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and {value.dtype}"
+    return f"{type(value).__name__} {value!r}" if isinstance(value, bool) else type(value).__name__
+
+
+def _world_size() -> int:
+    """The default process group's size, or -1 outside one (simulated ranks)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else -1
+
+
+def state_dict(config: OuterConfig, state: OuterState, *, rank: int) -> dict[str, Any]:
+    """A flat dict of ``state`` for ``torch.save`` or DCP (completes collectives in
+    flight: every rank calls it at the same step)."""
+    fragments = fragment_leaves(config, state.global_params)
+    saved: dict[str, Any] = {"step": state.step, "config": config.text, "world_size": _world_size()}
+    for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
+        saved[f"global.{i}"] = global_param
+        for field, value in leaf_state._asdict().items():
+            saved[f"outer.{i}.{field}.present"] = value is not None
+            saved[f"outer.{i}.{field}"] = value if value is not None else torch.zeros_like(global_param)
+    by_fragment = {item.fragment: item for item in state.in_flight}
+    for f, indices in enumerate(fragments):
+        item = by_fragment.get(f)
+        if item is not None:
+            item.handle.wait()
+        saved[f"in_flight.{f}.apply_step"] = item.apply_step if item is not None else -1
+        for k, i in enumerate(indices):
+            shaped = state.global_params[i].to(dtype=config.comm_dtype or state.global_params[i].dtype)
+            saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(shaped)
+            if config.delay:  # rank-local: a DTensor's snapshot is saved as this rank's shard, a plain tensor
+                snapshot = item.snapshot[k] if item else torch.zeros_like(state.global_params[i])
+                saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"] = local_shard(snapshot)
+    for i, residual in enumerate(state.residuals):  # differ between ranks
+        saved[f"residual.{i}.rank{rank}"] = residual
+    return saved
+
+def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
+    """The state ``saved`` holds, validated against this transform and ``state``
+    (a template, e.g. ``init``)."""
+    fragments = fragment_leaves(config, state.global_params)
+    check_saved(config, state, saved, fragments, rank)
+    global_params = tuple(
+        saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True).pin_memory() if g.is_pinned()
+        else saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True)
+        for i, g in enumerate(state.global_params)
+    )
+    def restored(i: int, field: str, template: torch.Tensor | None) -> torch.Tensor | None:
+        if not saved.get(f"outer.{i}.{field}.present", False):  # (a field added since: absent, None)
+            return None
+        device = template.device if template is not None else global_params[i].device
+        return saved[f"outer.{i}.{field}"].to(device=device, copy=True)
+
+    outer_state = tuple(
+        type(leaf_state)(**{field: restored(i, field, value) for field, value in leaf_state._asdict().items()})
+        for i, leaf_state in enumerate(state.outer_state)
+    )
+    in_flight = []
+    for f, indices in enumerate(fragments):
+        apply_step = int(saved[f"in_flight.{f}.apply_step"])
+        if apply_step < 0:
+            continue
+        in_flight.append(InFlight(
+            apply_step,
+            f,
+            tuple(saved[f"in_flight.{f}.pseudo_grad.{k}"].clone() for k in range(len(indices))),
+            tuple(
+                like(state.global_params[i], saved[f"in_flight.{f}.snapshot.{k}.rank{rank}"].clone())
+                for k, i in enumerate(indices)
+            ) if config.delay else (),
+            CollectiveHandle(),  # completed before it was saved
+        ))
+    in_flight.sort(key=lambda item: item.apply_step)
+    residuals = tuple(
+        saved[f"residual.{i}.rank{rank}"].to(device=r.device, dtype=torch.float32, copy=True)
+        for i, r in enumerate(state.residuals)
+    )
+    return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight), residuals)
+
+def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
+    """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
+    can be loaded on ``rank`` (nothing is built before it passes): first what says
+    whose checkpoint it is (configuration, optimizer, world size), then that every
+    entry is there, then the values that must agree (step, shapes, steps in flight),
+    then every entry's kind."""
+    check_origin(config, state, saved, fragments, rank)
+    expected = state_dict(config, state, rank=rank)  # this transform's entries, from the template
+    check_entries(expected, saved, kinds=False)
+    step = saved["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
+    for i, template in enumerate(state.global_params):
+        shape = tuple(saved[f"global.{i}"].shape)
+        if shape != tuple(template.shape):
+            raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
+    for i, template in enumerate(state.residuals):
+        shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
+        if shape != tuple(template.shape):
+            raise ValueError(
+                f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
+                "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
+            )
+    for f, indices in enumerate(fragments):
+        apply_step = int(saved[f"in_flight.{f}.apply_step"])
+        if apply_step >= 0 and not step <= apply_step <= step + config.delay:
+            raise ValueError(
+                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, "
+                f"outside [{step}, {step + config.delay}] for the saved step {step}."
+            )
+        started = apply_step - config.delay
+        if apply_step >= 0 and not (started < step and f in due_fragments(config, started)):
+            raise ValueError(
+                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, so it "
+                f"started at step {started}: not one of its synchronizations before the saved step {step}."
+            )
+    check_entries(expected, saved, kinds=True)
+
+def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
+    """Raise ``ValueError`` where ``saved`` comes from another transform, another
+    outer optimizer, or a world size whose rank-local entries this rank lacks."""
+    if saved.get("config") != config.text:
+        raise ValueError(
+            f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
+            f"{config.text!r}: the schedules and payloads differ, so it cannot continue that run."
+        )
+    fields = set(state.outer_state[0]._fields) if state.outer_state else set()
+    saved_fields = {key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present")}
+    if saved_fields - fields:
+        raise ValueError(
+            f"Arg ``saved`` holds outer-optimizer state with fields {sorted(saved_fields)}; this transform's "
+            f"outer optimizer keeps {sorted(fields)}: it is a checkpoint of another optimizer."
+        )
+    for i, leaf_state in enumerate(state.outer_state):
+        if getattr(leaf_state, "step", None) is not None and not saved.get(f"outer.{i}.step.present", False):
+            raise ValueError(
+                f"Arg ``saved`` holds no step count for parameter {i}'s outer state: it was saved by an outer "
+                "optimizer that keeps none (without a schedule or dampening), which this one needs."
+            )
+    saved_world, world = saved.get("world_size", -1), _world_size()
+    if state.residuals and saved_world >= 0 and world >= 0 and saved_world != world:
+        raise ValueError(
+            f"Arg ``saved`` was saved at world size {saved_world}, this run has {world}: each rank's error-feedback "
+            "residuals are its own (what its payloads have not sent yet), so a compressed run resumes at the "
+            "world size it was saved at."
+        )
+    if state.residuals and f"residual.0.rank{rank}" not in saved:
+        raise ValueError(
+            f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
+            "size. Each rank's residuals are its own; a compressed run resumes at the world size it was saved at."
+        )
+    for f in range(len(fragments)):
+        in_flight = saved.get(f"in_flight.{f}.apply_step", -1)
+        if config.delay and in_flight != -1 and f"in_flight.{f}.snapshot.0.rank{rank}" not in saved:
+            raise ValueError(
+                f"Arg ``saved`` holds no snapshot of rank {rank} for fragment {f}'s synchronization in flight: "
+                "it was saved at a smaller world size. A checkpoint loads at another world size only when no "
+                "delayed synchronization is in flight (save at a step where none is, e.g. a multiple of "
+                "sync_every that applies no delay)."
+            )
+
+def check_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], *, kinds: bool) -> None:
+    """Every entry of ``expected`` (this transform's checkpoint of the template) is in
+    ``saved`` (``kinds``: and of
+    the same kind: a tensor of the same shape, and dtype but for a snapshot, which is
+    in the parameter's; the same Python type; each outer-state field present where
+    this optimizer's state has it). Absent may be only ``world_size`` (older
+    checkpoints), a field this optimizer's state does not have either (with its
+    presence flag), and other ranks' snapshots where none is in flight."""
+    for key, template in expected.items():
+        if key not in saved:
+            field_absent = key.endswith(".present") and not template or (
+                key.startswith("outer.") and not expected.get(f"{key}.present", True)
+            )
+            # another world size: the snapshots of other ranks (none in flight: checked before)
+            idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.apply_step") == -1
+            if key == "world_size" or field_absent or idle_snapshot:
+                continue
+            raise ValueError(f"Arg ``saved`` lacks ``{key}``, which this transform's checkpoint holds.")
+        if not kinds:
+            continue
+        value = saved[key]
+        if isinstance(template, torch.Tensor):
+            same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(template.shape) and (
+                value.dtype == template.dtype or ".snapshot." in key
+            )
+        else:
+            same = type(value) is type(template) and (not key.endswith(".present") or value == template)
+        if not same:
+            raise ValueError(
+                f"Arg ``saved``: ``{key}`` is {_entry(value)}, where this transform's checkpoint holds "
+                f"{_entry(template)}: it is not a state of this transform for these parameters."
+            )

@@ -1,0 +1,88 @@
+"""The checks an outer step runs on its inputs before anything is communicated: the
+parameters are those the state was made for, the collective can average the lower
+levels, and (at step 0) the initial global copy is the same on every rank.
+
+This module must not change a tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from puredist._inputs import is_transformed
+from puredist.collectives import Collective
+from puredist.outer.config import OuterConfig
+from puredist.outer.state import OuterState
+from puredist.replicas import VmapCollective
+
+
+def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
+    return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
+
+
+def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: OuterState) -> None:
+    """Raise ``ValueError`` unless ``leaves`` are the parameters ``state`` was made
+    for: as many, of the same shapes (and dtypes, where the global copy keeps the
+    parameters' own). Leaves are paired by position, so another tree (a frozen
+    embedding left out) would pair unrelated tensors."""
+    globals_ = state.global_params
+    same_dtype = config.global_dtype is None
+    same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [g.shape for g in globals_]
+    if same and same_dtype:
+        same = [t.dtype for t in leaves] == [g.dtype for g in globals_]
+    if same:
+        return
+    differing = next(
+        (i for i, (leaf, g) in enumerate(zip(leaves, globals_))
+         if leaf.shape != g.shape or (same_dtype and leaf.dtype != g.dtype)),
+        min(len(leaves), len(globals_)),
+    )
+    raise ValueError(
+        f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(globals_)}, and leaf "
+        f"{differing} differs (params: "
+        f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(globals_, differing)}). Pass the "
+        "parameters init was given (the same tree), or init a state for these."
+    )
+
+
+def check_collective(config: OuterConfig, collective: Collective) -> None:
+    """Raise ``ValueError`` where ``collective`` cannot average within the group sizes
+    of ``config.lower_levels``."""
+    missing = [g for g in config.lower_sizes if g not in collective.group_sizes]
+    if collective.is_member and missing:
+        raise ValueError(
+            f"The collective cannot average within groups of sizes {missing} from arg "
+            f"``lower_levels``; it supports {collective.group_sizes}."
+        )
+
+
+def check_initial_copy(config: OuterConfig, state: OuterState, collective: Collective) -> None:
+    """At step 0: raise :class:`~puredist.RankMismatchError` on every rank unless the
+    global copy made by ``init`` is the same on every rank (the initial parameters
+    must be replicated, as DDP's broadcast makes them)."""
+    collective.check_replicated(
+        list(state.global_params),
+        what=f"{config}: the initial parameters (the global copy made by init)",
+        context=f"{config} initial check at step 0",
+    )
+
+
+def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective: Collective) -> None:
+    """:func:`check_initial_copy` under a ``torch.func`` transform, which reads the
+    copy on the host: only an unmapped copy allows that (under ``vmap``, one copy
+    shared by every replica is replicated by construction: nothing to check).
+
+    Raises:
+        NotImplementedError: a transform maps the global copy.
+    """
+    if any(is_transformed(t) for t in state.global_params):
+        raise NotImplementedError(
+            f"{config}: at step 0 the global copy made by init is checked to be the same on every rank, on the "
+            "host, which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
+            "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
+        )
+    if not isinstance(collective, VmapCollective):
+        with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
+            check_initial_copy(config, state, collective)

@@ -1,0 +1,108 @@
+"""The options of one outer-optimization transform, checked once and frozen.
+
+:class:`OuterConfig` is what every other module of :mod:`puredist.outer` receives
+explicitly (no function captures options): the outer optimizer, the schedule's
+numbers, the dtypes and devices of the global copy and of the payload, the lower
+levels, the compressor, and what follows from them (fragment offsets, the text that
+names the configuration in rank checks and checkpoints).
+
+This module must not touch tensors or talk to other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
+from puredist.compression import Compressor
+from puredist.optim import Optimizer
+from puredist.schedules import hierarchical_schedule
+
+
+def _no_lower_level(step: int) -> None:
+    return None
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per transform
+class OuterConfig:
+    """The options of :func:`~puredist.outer_optimizer` (see there), checked.
+
+    Attributes:
+        outer, sync_every, warmup_steps, delay, fragments, comm_dtype, global_device,
+            global_dtype, compressor: as given.
+        lower_levels: ``{period: group_size}``, as given (``{}``: none).
+        offsets: fragment ``f`` synchronizes ``offsets[f]`` steps after fragment 0.
+        lower_sizes: the group sizes of ``lower_levels``, in its order.
+        lower_level: ``step -> index into lower_sizes`` of the lower level that
+            averages at ``step``, or ``None``.
+        same_place: the global copy is the parameters' own device and dtype and is
+            sent as it is, uncompressed: pseudo-gradients and write-backs are then
+            multi-tensor kernels over whole fragments.
+        text: names the configuration in rank checks, errors and checkpoints.
+    """
+
+    outer: Optimizer
+    sync_every: int
+    warmup_steps: int = 0
+    delay: int = 0
+    fragments: int = 1
+    comm_dtype: torch.dtype | None = None
+    global_device: torch.device | str | None = None
+    global_dtype: torch.dtype | None = None
+    lower_levels: Mapping[int, int] = field(default_factory=dict)
+    compressor: Compressor | None = None
+    offsets: tuple[int, ...] = field(init=False)
+    lower_sizes: tuple[int, ...] = field(init=False)
+    lower_level: Callable[[int], int | None] = field(init=False)
+    same_place: bool = field(init=False)
+    text: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        _check_options(self)
+        lower = dict(self.lower_levels)
+        derived = {
+            "lower_levels": lower,
+            "offsets": tuple(f * self.sync_every // self.fragments for f in range(self.fragments)),
+            "lower_sizes": tuple(lower.values()),
+            "lower_level": hierarchical_schedule(tuple(lower), self.warmup_steps) if lower else _no_lower_level,
+            "same_place": (self.global_device is None and self.global_dtype is None and self.comm_dtype is None
+                           and self.compressor is None),
+            "text": (
+                f"outer_optimizer({self.outer.config or 'an optimizer built by hand'}, sync_every={self.sync_every}, "
+                f"warmup_steps={self.warmup_steps}, delay={self.delay}, fragments={self.fragments}, "
+                f"comm_dtype={self.comm_dtype}, global_dtype={self.global_dtype}, lower_levels={lower}"
+                + (f", compressor={self.compressor.name})" if self.compressor is not None else ")")
+            ),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _check_options(config: OuterConfig) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad option and its value."""
+    for name, dtype in (("comm_dtype", config.comm_dtype), ("global_dtype", config.global_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"Arg ``{name}`` must be a floating-point torch.dtype or None, got {dtype!r}.")
+    check_period(config.sync_every, arg="sync_every")
+    check_warmup_steps(config.warmup_steps)
+    sync_every = config.sync_every
+    for name, value, low, high in (("delay", config.delay, 0, sync_every - 1),
+                                   ("fragments", config.fragments, 1, sync_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"Arg ``{name}`` must be an int in [{low}, {high}] for sync_every={sync_every}, got {value!r}.")
+    compressor = config.compressor
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
+    if compressor is not None and config.comm_dtype is not None:
+        raise ValueError(
+            f"Args ``compressor`` ({compressor.name}) and ``comm_dtype`` ({config.comm_dtype}) are exclusive: the "
+            "compressor decides the payload."
+        )
+    if config.lower_levels:
+        check_hierarchy_periods(tuple(config.lower_levels), arg="lower_levels")

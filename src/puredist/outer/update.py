@@ -1,0 +1,150 @@
+"""One step of an outer-optimization transform: the synchronizations due start, those
+whose delay is over are applied, and a lower level due averages the idle fragments.
+
+:func:`update_` runs in place; :func:`update` is its pure twin (it works on copies);
+:func:`traced_update` is what :func:`update` runs under ``torch.func`` transforms
+(out of place and differentiable, synchronous and uncompressed only). The schedule
+is :mod:`puredist.outer.schedule`'s, one synchronization :mod:`puredist.outer.sync`'s.
+
+This module must not compute a synchronization itself: it orders those of
+:mod:`puredist.outer.sync` by the schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from puredist._inputs import is_transformed, transforms_active
+from puredist.averaging import _float_leaves
+from puredist.collectives import Collective, CollectiveError
+from puredist.optim import clone_states
+from puredist.outer.checks import check_collective, check_initial_copy, check_initial_copy_traced, check_params
+from puredist.outer.config import OuterConfig
+from puredist.outer.schedule import due_fragments, fragment_leaves, is_first_sync, lower_level_fragments
+from puredist.outer.state import OuterState
+from puredist.outer.sync import SyncContext, apply, issue, pseudo_gradient, start
+from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
+
+
+def _lower_context(config: OuterConfig, step: int) -> str:
+    return f"{config} lower level at step {step}"
+
+
+def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
+    """``(leaves, treespec, leaf indices per fragment)`` of ``params``, once the inputs
+    passed :mod:`puredist.outer.checks` (at step 0, the initial copy's too)."""
+    leaves, spec = _float_leaves(params, in_place=not traced)
+    check_params(config, leaves, state)
+    fragments = fragment_leaves(config, leaves)
+    check_collective(config, collective)
+    if state.step == 0:
+        (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
+    return leaves, spec, fragments
+
+
+def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
+    """In place (see :class:`~puredist.OuterTransform`). Raises before applying
+    anything if a synchronization fails: the state passed in stays valid and
+    un-applied (a failed synchronization in it is issued again, on ``collective``, by
+    the next ``update_`` with it). If the lower-level averaging fails after the outer
+    step was applied, the :class:`~puredist.CollectiveError` carries the state to
+    continue from (``error.state``)."""
+    leaves, _, fragments = _checked_inputs(config, params, state, collective, traced=False)
+    in_flight = [
+        item._replace(handle=issue(config, item.pseudo_grads, item.apply_step - config.delay, item.fragment, collective))
+        if item.handle.error is not None else item
+        for item in state.in_flight
+    ]
+    due = due_fragments(config, state.step)
+    residuals = list(state.residuals)
+    for f in due:
+        in_flight.append(start(config, leaves, state, f, fragments[f], collective, residuals))
+    applying = [item for item in in_flight if item.apply_step == state.step]
+    waiting = [item for item in in_flight if item.apply_step != state.step]
+    for item in applying:
+        item.handle.wait()  # all of them before any is applied: a failure applies nothing
+    global_params, outer_state = list(state.global_params), list(state.outer_state)
+    for item in applying:
+        apply(config, leaves, global_params, outer_state, item, fragments[item.fragment])
+    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting), tuple(residuals))
+    level, idle = lower_level_fragments(config, state.step, set(due) | {item.fragment for item in waiting})
+    idle_leaves = [leaves[i] for f in idle for i in fragments[f]]
+    if level is not None and idle_leaves:
+        try:
+            collective.mean_(idle_leaves, group_size=config.lower_sizes[level], context=_lower_context(config, state.step))
+        except CollectiveError as error:
+            error.state = new_state  # the outer step was applied: continue from this state
+            raise
+    return new_state
+
+
+def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
+    """Pure: first completes the input state's collectives in flight (their buffers
+    belong to the collective until then), then works on copies. Under ``torch.func``
+    transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
+    out of place and differentiably, for ``delay=0`` without a compressor; the
+    state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it)."""
+    if transforms_active() and any(is_transformed(t) for t in tree_leaves(params)):
+        return traced_update(config, params, state, collective)
+    for item in state.in_flight:
+        if item.handle.error is None:  # a failed one is issued again by update_
+            item.handle.wait()
+    leaves, spec = _float_leaves(params, in_place=True)
+    copies = clone_leaves(leaves)
+    cloned = OuterState(
+        state.step,
+        tuple(torch.empty_like(t, pin_memory=t.is_pinned()).copy_(t) for t in state.global_params),  # stays pinned
+        tuple(clone_states(state.outer_state)),
+        tuple(
+            item._replace(
+                pseudo_grads=tuple(t.clone() for t in item.pseudo_grads),
+                snapshot=tuple(t.clone() for t in item.snapshot),
+            )
+            for item in state.in_flight
+        ),
+        tuple(t.clone() for t in state.residuals),
+    )
+    return tree_unflatten(spec, copies), update_(config, copies, cloned, collective=collective)
+
+
+def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
+    """:func:`update` under ``torch.func`` transforms: out of place and
+    differentiable (the collective's ``mean``, the outer optimizer's pure
+    ``update``), for synchronous, uncompressed synchronizations.
+
+    Raises:
+        NotImplementedError: a delay, a compressor, or synchronizations in flight.
+    """
+    if config.delay or config.compressor is not None or state.in_flight:
+        raise NotImplementedError(
+            f"{config}: under torch.func transforms the outer update runs synchronous, uncompressed "
+            "synchronizations only (delay=0, no compressor): a delayed one is carried in the state by handles "
+            "and snapshots that no transform can map, a compressor's payloads are not differentiable."
+        )
+    leaves, spec, fragments = _checked_inputs(config, params, state, collective, traced=True)
+    global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)
+    due = due_fragments(config, state.step)
+    for f in due:
+        indices = fragments[f]
+        pseudo = [pseudo_gradient(config, global_params[i], leaves[i]) for i in indices]
+        means = collective.mean(pseudo, context=str(SyncContext(config, f, state.step)))
+        targets = [global_params[i] for i in indices]
+        grads = [m.to(g.dtype) for m, g in zip(means, targets)]
+        if is_first_sync(config, f, state.step):  # plain averaging (see sync.apply)
+            targets = [t - g for t, g in zip(targets, grads)]
+        else:
+            targets, stepped = config.outer.update(targets, grads, tuple(outer_state[i] for i in indices))
+            for k, i in enumerate(indices):
+                outer_state[i] = stepped[k]
+        for k, i in enumerate(indices):
+            global_params[i] = targets[k]
+            new_leaves[i] = targets[k].to(leaves[i].device, leaves[i].dtype, copy=True)  # never the global copy
+    level, idle = lower_level_fragments(config, state.step, due)
+    idle_leaves = [i for f in idle for i in fragments[f]]
+    if level is not None and idle_leaves:
+        means = collective.mean([new_leaves[i] for i in idle_leaves], group_size=config.lower_sizes[level],
+                                context=_lower_context(config, state.step))
+        for i, mean in zip(idle_leaves, means):
+            new_leaves[i] = mean
+    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), state.residuals)
+    return tree_unflatten(spec, new_leaves), new_state
