@@ -9,15 +9,20 @@ summary — count, total elements, a digest of the devices, dtypes, shapes and
 contiguity (and a DTensor's sharding), and a digest of the caller's *context* (its schedule's configuration and
 step) — to one small ``all_gather``; every rank sees every summary, so either all
 ranks proceed or all raise the same error, which shows each rank's context.
+
+This module must not change a tensor: it reads metadata and values and exchanges
+summaries only.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from puredist._dtensors import local_shard
 from puredist._layout import Layout, digest, layout_of
 
 
@@ -114,3 +119,27 @@ def check_same_tensors_on_all_ranks(
             f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}",
             ranks=ranks, contexts=[str(c) for c in contexts], layouts_differ=layouts_differ,
         )
+
+
+def check_same_values_on_all_ranks(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, device: torch.device, *, what: str
+) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless every rank of ``group``
+    holds bit-identical values in ``tensors`` (of the same layouts: checked before):
+    a digest of each tensor's bytes (a DTensor's local shard), hashed on the host,
+    goes through one small all-gather on ``device``."""
+    digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, digests, group=group)
+    rows = [g.tolist() for g in gathered]
+    differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
+    if differing:
+        raise RankMismatchError(
+            f"{what}: tensors {differing} differ between ranks (of {len(tensors)}); they must start "
+            "equal on every rank (broadcast them from one rank, as DDP does at construction)."
+        )
+
+
+def _value_digest(tensor: torch.Tensor) -> int:
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)

@@ -9,6 +9,9 @@ storage, written in place — and the rank check compares each DTensor's shardin
 (:func:`sharding_signature`), so that ranks holding different shards raise instead of
 averaging unrelated numbers. Elementwise arithmetic on DTensors of one spec (the
 outer optimizer's) stays on the shards; nothing here redistributes.
+
+This module must not communicate: it only translates between DTensors and their
+local shards.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ most ``bucket_cap_bytes`` per device, writing each bucket back as soon as it is 
 (the copy into bucket ``k + 1`` overlaps the collective of bucket ``k``). Asynchronous
 runs stage every bucket at once and write back only when :meth:`CollectiveHandle.wait`
 has seen *every* collective succeed: all or nothing.
+
+This module must not check its inputs or talk to other ranks except through the
+``launch`` it is given: callers pass checked tensors and have run the rank check.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Each check raises before any tensor or process group is touched, with a message that
 names the argument and its value. Exception types follow torch's averagers
 (``ValueError`` for bad values); a wrong type is a ``TypeError``.
+
+This module must not touch tensors or process groups.
 """
 
 from __future__ import annotations

@@ -35,17 +35,17 @@ native ``AVG``).
 from __future__ import annotations
 
 import functools
-import hashlib
-import math
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks
+from puredist._autograd import AllReduceMean
+from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks, check_same_values_on_all_ranks
+from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, exchange, make_twins
-from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
+from puredist._inputs import Checked, checked, checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
 from puredist._validation import check_bucket_cap_bytes
 
@@ -138,36 +138,6 @@ def block_mean(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
     return means.expand_as(blocks).flatten(0, 1).contiguous()
 
 
-class _AllReduceMean(torch.autograd.Function):
-    """``DistributedCollective.mean`` as a differentiable function: forward averages
-    copies of the inputs, backward averages the incoming gradients over the same
-    group (every rank runs the backward, as every rank ran the forward)."""
-
-    @staticmethod
-    def forward(collective: "DistributedCollective", group_size: int | None, context: str, *tensors: torch.Tensor):
-        copies = [t.detach().clone() for t in tensors]
-        collective.mean_(checked_like(tensors, copies, why="clone"), group_size=group_size, context=context)
-        return tuple(copies)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.collective, ctx.group_size, ctx.context = inputs[:3]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        # the function again (under torch.func its forward sees plain tensors): and
-        # so differentiable twice
-        means = _AllReduceMean.apply(ctx.collective, ctx.group_size, f"backward of {ctx.context}", *grads)
-        return (None, None, None, *means)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        raise ValueError(
-            "A DistributedCollective cannot average inside torch.func.vmap (each process is one rank); "
-            "for simulated ranks mapped by vmap use puredist.VmapCollective(num_replicas)."
-        )
-
-
 def _runs_eagerly(method):
     """Keep ``torch.compile`` out of a method that talks to other ranks: it runs as
     written, between the compiled graphs (dynamo tracing through its staging buffers,
@@ -255,9 +225,7 @@ class DistributedCollective:
             ValueError: a size does not divide the group's size (from torch).
         """
         whole = process_group if process_group is not None else dist.group.WORLD
-        world_size = dist.get_world_size(whole)
-        subgroups = {size: subgroup(whole, size) for size in dict.fromkeys(group_sizes) if size != world_size}
-        return cls(process_group, subgroups=subgroups, **kwargs)
+        return cls(process_group, subgroups=subgroups_of(whole, group_sizes), **kwargs)
 
     @classmethod
     def from_mesh(cls, mesh: "DeviceMesh", dims: str | Sequence[str], **kwargs) -> "DistributedCollective":
@@ -278,21 +246,8 @@ class DistributedCollective:
             ValueError: an unknown or repeated dimension name, or none; several
                 dimensions of a mesh that does not cover every rank (a slice).
         """
-        names = (dims,) if isinstance(dims, str) else tuple(dims)
-        known = mesh.mesh_dim_names or ()
-        unknown = [name for name in names if name not in known]
-        if unknown or not names or len(set(names)) != len(names):
-            raise ValueError(
-                f"Arg ``dims`` {dims!r}: the mesh's dimensions are {known}; got unknown, repeated or no names."
-            )
-        if len(names) > 1 and mesh.mesh.numel() != dist.get_world_size():
-            raise ValueError(
-                f"Arg ``mesh`` covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks (a slice of a larger "
-                f"mesh): groups over several dimensions {names} are created by every rank together; pass the whole mesh."
-            )
-        groups = [_mesh_group(mesh, names[i:]) for i in range(len(names))]  # whole first, then inner suffixes
-        subgroups = {dist.get_world_size(g): g for g in groups[1:] if dist.get_world_size(g) != dist.get_world_size(groups[0])}
-        return cls(groups[0], subgroups=subgroups, **kwargs)
+        whole, subgroups = mesh_groups(mesh, dims)
+        return cls(whole, subgroups=subgroups, **kwargs)
 
     @property
     def world_size(self) -> int:
@@ -389,7 +344,7 @@ class DistributedCollective:
             as :meth:`mean_`.
         """
         checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
-        return list(_AllReduceMean.apply(self, group_size, context, *tensors))
+        return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly
     def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
@@ -428,17 +383,7 @@ class DistributedCollective:
             return
         group = self.process_group
         self._check_same(tensors, group, context=context, what=what)
-        over, device = exchange(group)
-        digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(digests) for _ in range(self._world_size)]
-        dist.all_gather(gathered, digests, group=over)
-        rows = [g.tolist() for g in gathered]
-        differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
-        if differing:
-            raise RankMismatchError(
-                f"{what}: tensors {differing} differ between ranks (of {len(tensors)}); they must start "
-                "equal on every rank (broadcast them from one rank, as DDP does at construction)."
-            )
+        check_same_values_on_all_ranks(tensors, *exchange(group), what=what)
 
     @property
     def rank(self) -> int:
@@ -479,51 +424,6 @@ class DistributedCollective:
             alone_from=BROADCAST_IN_PLACE_MIN_BYTES,
             layout=given.layout,
         )
-
-
-def _value_digest(tensor: torch.Tensor) -> int:
-    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
-def _mesh_group(mesh: "DeviceMesh", names: tuple[str, ...]) -> dist.ProcessGroup:
-    """This rank's process group spanning the mesh dimensions ``names`` (the mesh's
-    own for one dimension; for several, created collectively over every such group)."""
-    order = [mesh.mesh_dim_names.index(name) for name in names]
-    others = [d for d in range(mesh.ndim) if d not in order]
-    ranks = mesh.mesh.permute(*others, *order).reshape(-1, math.prod(mesh.mesh.shape[d] for d in order)).tolist()
-    if len(names) == 1:
-        group = mesh.get_group(names[0])
-    else:
-        key = tuple(map(tuple, ranks))
-        world, group = _MESH_GROUPS.get(key, (None, None))
-        if world is not dist.group.WORLD:  # a process group holds sockets and threads: one per set of ranks and world
-            group, _ = dist.new_subgroups_by_enumeration(ranks)
-            _MESH_GROUPS[key] = (dist.group.WORLD, group)
-    if mesh.mesh.numel() == dist.get_world_size():  # every rank is here: device-only groups get their Gloo twins
-        make_twins(ranks, like=group)
-    return group
-
-
-_MESH_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
-_SUBGROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
-def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
-    """This rank's subgroup of ``size`` consecutive ranks of ``whole``, made by
-    ``dist.new_subgroups`` the first time (a collective: every rank of ``whole``
-    asks for the same sizes in the same order, as torch requires), then reused —
-    a process group holds sockets and threads, so making new ones for every averager
-    leaks them."""
-    key = (id(whole), size)
-    if key not in _SUBGROUPS:  # the parent is kept too, so its id is never reused
-        _SUBGROUPS[key] = (whole, dist.new_subgroups(group_size=size, group=whole)[0])
-        ranks = dist.get_process_group_ranks(whole)
-        if len(ranks) == dist.get_world_size():  # every rank is here: device-only subgroups get their Gloo twins
-            make_twins([ranks[i : i + size] for i in range(0, len(ranks), size)], like=_SUBGROUPS[key][1])
-    return _SUBGROUPS[key][1]
 
 
 class ReplicaGroups:

@@ -28,6 +28,8 @@ Bytes on the wire per rank: ``2 (W - 1) / W`` payloads of the whole tensor, as a
 all-reduce sends ``2 (W - 1) / W`` tensors: the format's ratio (payload of ``n`` floats:
 int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``; top-k
 selects within each chunk).
+
+This module must not keep state between calls: residuals go in and out explicitly.
 """
 
 import math

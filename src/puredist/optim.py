@@ -34,6 +34,9 @@ The math is torch's own: the steps call ``torch.optim``'s functional kernels
 (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``) with the same foreach/fused
 defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 ``Adam`` / ``AdamW`` step for step.
+
+This module must not communicate: an optimizer steps the tensors it is given, on
+this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.outer`'s).
 """
 
 import operator

@@ -13,6 +13,9 @@ Generate parameter trees and replica worlds, then check a step function on
         ...
 
 Needs ``hypothesis`` (``pip install puredist[test]``).
+
+This module must not be imported by the library itself: it needs ``hypothesis``, a
+test dependency.
 """
 
 from typing import Sequence

@@ -31,6 +31,9 @@ runs the same step from one replica's view: every replica steps every parameter 
 its own gradient (the state of every parameter, ``rank=None``, mapped), then takes the
 owner's new value and state (:meth:`~puredist.VmapCollective.broadcast`). It is a
 simulation: nothing is sharded in memory.
+
+This module must not average gradients: they come in already averaged (by DDP or
+:func:`~puredist.average_`); it only steps and broadcasts.
 """
 
 from typing import Callable, NamedTuple, Sequence
@@ -43,6 +46,7 @@ from puredist.replicas import VmapCollective
 from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
+from puredist._bound import bound
 from puredist._docs import fields_documented
 
 
@@ -110,6 +114,170 @@ def _check_stacked(leaves: Sequence[torch.Tensor], replicas: int, arg: str) -> N
             )
 
 
+def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | None) -> ZeroState:
+    """The state of ``rank``: optimizer state for the parameters ``plan`` gives it;
+    ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
+    (``params`` stacked ``[plan.world_size, *shape]``)."""
+    leaves, _ = tree_flatten(params)
+    if len(plan.owners) != len(leaves):
+        raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
+    if rank is None:
+        _check_stacked(leaves, plan.world_size, "params")
+        return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}) (or None, simulated), got {rank}.")
+    owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
+    return ZeroState(step=0, plan=plan, owned=owned)
+
+
+def _refusal(optimizer: Optimizer, grad_leaves, state: ZeroState, rank: int) -> str:
+    """Why ``optimizer`` would refuse to step this rank's parameters with gradients
+    (its :attr:`~puredist.Optimizer.check`), or ``""``."""
+    if optimizer.check is None:
+        return ""
+    owned = state.plan.owned_by(rank)
+    try:
+        optimizer.check([state.owned[k] for k, i in enumerate(owned) if grad_leaves[i] is not None])
+    except ValueError as error:  # the refusal itself (the rare path), to be shared with every rank
+        return str(error)
+    return ""
+
+
+def _step_owned(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
+    """Step the parameters at ``indices`` that ``rank`` owns."""
+    position = {index: k for k, index in enumerate(state.plan.owned_by(rank))}
+    mine = [i for i in indices if state.plan.owners[i] == rank]
+    new = optimizer.update_(
+        [leaves[i] for i in mine], [grad_leaves[i] for i in mine], tuple(state.owned[position[i]] for i in mine)
+    )
+    owned = list(state.owned)
+    for i, s in zip(mine, new):
+        owned[position[i]] = s
+    return state._replace(owned=tuple(owned))
+
+
+def _checked(params, grads, state: ZeroState, collective):
+    if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
+        raise TypeError(
+            f"Arg ``collective`` of a ZeRO step in place must be a DistributedCollective or a SimulatedCollective, "
+            f"got {type(collective).__name__}: under vmap use the pure update."
+        )
+    leaves, spec = tree_flatten(params)
+    grad_leaves = spec.flatten_up_to(grads)
+    if len(state.plan.owners) != len(leaves):
+        raise ValueError(f"The state's plan covers {len(state.plan.owners)} parameters, ``params`` has {len(leaves)}.")
+    if state.plan.world_size != collective.world_size:
+        raise ValueError(
+            f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
+        )
+    if isinstance(collective, SimulatedCollective):
+        if len(state.owned) != len(leaves):
+            raise ValueError(
+                f"Arg ``state`` holds {len(state.owned)} parameter states: a simulated step needs the state of every "
+                f"parameter ({len(leaves)}), from init(..., rank=None)."
+            )
+        _check_stacked(leaves, collective.world_size, "params")
+        _check_stacked([g for g in grad_leaves if g is not None], collective.world_size, "grads")
+    return leaves, spec, grad_leaves
+
+
+def _step_simulated(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, indices) -> ZeroState:
+    """Every rank at once: each parameter's row of its owner, stepped as the owner
+    steps its own dense tensor (a row of a strided leaf is copied out: torch's fused
+    kernels step non-dense tensors wrongly), then written to every row (the owner's
+    broadcast)."""
+    owners = state.plan.owners
+    rows = [leaves[i][owners[i]].detach().clone(memory_format=torch.contiguous_format) for i in indices]
+    grads = [None if grad_leaves[i] is None else grad_leaves[i][owners[i]].contiguous() for i in indices]
+    new = optimizer.update_(rows, grads, tuple(state.owned[i] for i in indices))
+    owned = list(state.owned)
+    with torch.no_grad():
+        for i, row, leaf_state in zip(indices, rows, new):
+            leaves[i].copy_(row.expand_as(leaves[i]))
+            owned[i] = leaf_state
+    return state._replace(owned=tuple(owned))
+
+
+def _step_and_broadcast(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, indices, collective):
+    if isinstance(collective, SimulatedCollective):
+        return _step_simulated(optimizer, leaves, grad_leaves, state, indices), CollectiveHandle()
+    state = _step_owned(optimizer, leaves, grad_leaves, state, indices, collective.rank)
+    return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
+
+
+def update_subset_(
+    optimizer: Optimizer, params, grads, state: ZeroState, *, indices: Sequence[int], collective: DistributedCollective
+):
+    """Step the owned parameters among ``indices`` and start their owners'
+    broadcasts: ``(state, handle)``."""
+    leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    return _step_and_broadcast(optimizer, leaves, grad_leaves, state, indices, collective)
+
+
+def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
+    """One whole iteration in place, after the rank check; returns the state at step + 1."""
+    leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    if isinstance(collective, DistributedCollective):
+        # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
+        # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
+        refusal = _refusal(optimizer, grad_leaves, state, collective.rank)
+        context = with_refusal(f"plan {state.plan.digest()} step {state.step}", refusal)
+        try:
+            collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")
+        except RankMismatchError as error:
+            if refusals(error):
+                raise ValueError(
+                    f"A ZeRO step was refused ({'; '.join(refusals(error))}); nothing was stepped on any rank."
+                ) from error
+            raise
+        if refusal:  # one rank: no check ran
+            raise ValueError(refusal)
+    state, handle = _step_and_broadcast(optimizer, leaves, grad_leaves, state, range(len(leaves)), collective)
+    handle.wait()
+    return end_iteration(state)
+
+
+def mapped_update(optimizer: Optimizer, params, grads, state: ZeroState, collective: VmapCollective):
+    """:func:`update` under ``vmap`` (see the module docstring)."""
+    leaves, spec = tree_flatten(params)
+    grad_leaves = spec.flatten_up_to(grads)
+    if len(state.owned) != len(leaves) or state.plan.world_size != collective.world_size:
+        raise ValueError(
+            f"Arg ``state``: under vmap every replica needs the state of every parameter ({len(leaves)}, from "
+            f"init(..., rank=None)) for a plan over the {collective.world_size} replicas; got {len(state.owned)} "
+            f"states over {state.plan.world_size}."
+        )
+    active = [i for i, g in enumerate(grad_leaves) if g is not None]
+    stepped, states = optimizer.update(
+        [leaves[i] for i in active], [grad_leaves[i] for i in active], [state.owned[i] for i in active]
+    )
+    new_leaves, owned = list(leaves), list(state.owned)
+    for k, i in enumerate(active):
+        new_leaves[i] = stepped[k]
+        owned[i] = type(states[k])(*(
+            None if t is None else collective.broadcast([t], src=state.plan.owners[i])[0] for t in states[k]
+        ))
+    new_leaves = [collective.broadcast([leaf], src=owner)[0] for leaf, owner in zip(new_leaves, state.plan.owners)]
+    return tree_unflatten(spec, new_leaves), ZeroState(state.step + 1, state.plan, tuple(owned))
+
+
+def update(optimizer: Optimizer, params, grads, state: ZeroState, *, collective: DistributedCollective):
+    """Pure: ``(new params, new state)``; the inputs are not modified. Under
+    ``vmap``, with a :class:`~puredist.VmapCollective` (see the module docstring)."""
+    if isinstance(collective, VmapCollective):
+        return mapped_update(optimizer, params, grads, state, collective)
+    leaves, spec = tree_flatten(params)
+    copies = clone_leaves(leaves)
+    cloned = state._replace(owned=tuple(clone_states(state.owned)))
+    new_state = update_(optimizer, copies, spec.flatten_up_to(grads), cloned, collective=collective)
+    return tree_unflatten(spec, copies), new_state
+
+
+def end_iteration(state: ZeroState) -> ZeroState:
+    """The state after all buckets of an iteration were stepped (step + 1)."""
+    return state._replace(step=state.step + 1)
+
+
 def zero(optimizer: Optimizer) -> Zero:
     """Shard ``optimizer``'s state over ranks (ZeRO stage 1).
 
@@ -119,156 +287,10 @@ def zero(optimizer: Optimizer) -> Zero:
     Returns:
         A :class:`Zero`.
     """
-
-    def init(params: PyTree, *, plan: ZeroPlan, rank: int | None) -> ZeroState:
-        """The state of ``rank``: optimizer state for the parameters ``plan`` gives it;
-        ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
-        (``params`` stacked ``[plan.world_size, *shape]``)."""
-        leaves, _ = tree_flatten(params)
-        if len(plan.owners) != len(leaves):
-            raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
-        if rank is None:
-            _check_stacked(leaves, plan.world_size, "params")
-            return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
-        if not 0 <= rank < plan.world_size:
-            raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}) (or None, simulated), got {rank}.")
-        owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
-        return ZeroState(step=0, plan=plan, owned=owned)
-
-    def _refusal(grad_leaves, state: ZeroState, rank: int) -> str:
-        """Why ``optimizer`` would refuse to step this rank's parameters with gradients
-        (its :attr:`~puredist.Optimizer.check`), or ``""``."""
-        if optimizer.check is None:
-            return ""
-        owned = state.plan.owned_by(rank)
-        try:
-            optimizer.check([state.owned[k] for k, i in enumerate(owned) if grad_leaves[i] is not None])
-        except ValueError as error:  # the refusal itself (the rare path), to be shared with every rank
-            return str(error)
-        return ""
-
-    def _step_owned(leaves, grad_leaves, state: ZeroState, indices, rank: int) -> ZeroState:
-        """Step the parameters at ``indices`` that ``rank`` owns."""
-        position = {index: k for k, index in enumerate(state.plan.owned_by(rank))}
-        mine = [i for i in indices if state.plan.owners[i] == rank]
-        new = optimizer.update_(
-            [leaves[i] for i in mine], [grad_leaves[i] for i in mine], tuple(state.owned[position[i]] for i in mine)
-        )
-        owned = list(state.owned)
-        for i, s in zip(mine, new):
-            owned[position[i]] = s
-        return state._replace(owned=tuple(owned))
-
-    def _checked(params, grads, state: ZeroState, collective):
-        if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
-            raise TypeError(
-                f"Arg ``collective`` of a ZeRO step in place must be a DistributedCollective or a SimulatedCollective, "
-                f"got {type(collective).__name__}: under vmap use the pure update."
-            )
-        leaves, spec = tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
-        if len(state.plan.owners) != len(leaves):
-            raise ValueError(f"The state's plan covers {len(state.plan.owners)} parameters, ``params`` has {len(leaves)}.")
-        if state.plan.world_size != collective.world_size:
-            raise ValueError(
-                f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
-            )
-        if isinstance(collective, SimulatedCollective):
-            if len(state.owned) != len(leaves):
-                raise ValueError(
-                    f"Arg ``state`` holds {len(state.owned)} parameter states: a simulated step needs the state of every "
-                    f"parameter ({len(leaves)}), from init(..., rank=None)."
-                )
-            _check_stacked(leaves, collective.world_size, "params")
-            _check_stacked([g for g in grad_leaves if g is not None], collective.world_size, "grads")
-        return leaves, spec, grad_leaves
-
-    def _step_simulated(leaves, grad_leaves, state: ZeroState, indices) -> ZeroState:
-        """Every rank at once: each parameter's row of its owner, stepped as the owner
-        steps its own dense tensor (a row of a strided leaf is copied out: torch's fused
-        kernels step non-dense tensors wrongly), then written to every row (the owner's
-        broadcast)."""
-        owners = state.plan.owners
-        rows = [leaves[i][owners[i]].detach().clone(memory_format=torch.contiguous_format) for i in indices]
-        grads = [None if grad_leaves[i] is None else grad_leaves[i][owners[i]].contiguous() for i in indices]
-        new = optimizer.update_(rows, grads, tuple(state.owned[i] for i in indices))
-        owned = list(state.owned)
-        with torch.no_grad():
-            for i, row, leaf_state in zip(indices, rows, new):
-                leaves[i].copy_(row.expand_as(leaves[i]))
-                owned[i] = leaf_state
-        return state._replace(owned=tuple(owned))
-
-    def _step_and_broadcast(leaves, grad_leaves, state: ZeroState, indices, collective):
-        if isinstance(collective, SimulatedCollective):
-            return _step_simulated(leaves, grad_leaves, state, indices), CollectiveHandle()
-        state = _step_owned(leaves, grad_leaves, state, indices, collective.rank)
-        return state, broadcast_from_owners_(leaves, indices, state.plan, collective)
-
-    def update_subset_(params, grads, state: ZeroState, *, indices: Sequence[int], collective: DistributedCollective):
-        """Step the owned parameters among ``indices`` and start their owners'
-        broadcasts: ``(state, handle)``."""
-        leaves, _, grad_leaves = _checked(params, grads, state, collective)
-        return _step_and_broadcast(leaves, grad_leaves, state, indices, collective)
-
-    def update_(params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
-        """One whole iteration in place, after the rank check; returns the state at step + 1."""
-        leaves, _, grad_leaves = _checked(params, grads, state, collective)
-        if isinstance(collective, DistributedCollective):
-            # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
-            # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
-            refusal = _refusal(grad_leaves, state, collective.rank)
-            context = with_refusal(f"plan {state.plan.digest()} step {state.step}", refusal)
-            try:
-                collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")
-            except RankMismatchError as error:
-                if refusals(error):
-                    raise ValueError(
-                        f"A ZeRO step was refused ({'; '.join(refusals(error))}); nothing was stepped on any rank."
-                    ) from error
-                raise
-            if refusal:  # one rank: no check ran
-                raise ValueError(refusal)
-        state, handle = _step_and_broadcast(leaves, grad_leaves, state, range(len(leaves)), collective)
-        handle.wait()
-        return end_iteration(state)
-
-    def mapped_update(params, grads, state: ZeroState, collective: VmapCollective):
-        """:func:`update` under ``vmap`` (see the module docstring)."""
-        leaves, spec = tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
-        if len(state.owned) != len(leaves) or state.plan.world_size != collective.world_size:
-            raise ValueError(
-                f"Arg ``state``: under vmap every replica needs the state of every parameter ({len(leaves)}, from "
-                f"init(..., rank=None)) for a plan over the {collective.world_size} replicas; got {len(state.owned)} "
-                f"states over {state.plan.world_size}."
-            )
-        active = [i for i, g in enumerate(grad_leaves) if g is not None]
-        stepped, states = optimizer.update(
-            [leaves[i] for i in active], [grad_leaves[i] for i in active], [state.owned[i] for i in active]
-        )
-        new_leaves, owned = list(leaves), list(state.owned)
-        for k, i in enumerate(active):
-            new_leaves[i] = stepped[k]
-            owned[i] = type(states[k])(*(
-                None if t is None else collective.broadcast([t], src=state.plan.owners[i])[0] for t in states[k]
-            ))
-        new_leaves = [collective.broadcast([leaf], src=owner)[0] for leaf, owner in zip(new_leaves, state.plan.owners)]
-        return tree_unflatten(spec, new_leaves), ZeroState(state.step + 1, state.plan, tuple(owned))
-
-    def update(params, grads, state: ZeroState, *, collective: DistributedCollective):
-        """Pure: ``(new params, new state)``; the inputs are not modified. Under
-        ``vmap``, with a :class:`~puredist.VmapCollective` (see the module docstring)."""
-        if isinstance(collective, VmapCollective):
-            return mapped_update(params, grads, state, collective)
-        leaves, spec = tree_flatten(params)
-        copies = clone_leaves(leaves)
-        cloned = state._replace(owned=tuple(clone_states(state.owned)))
-        new_state = update_(copies, spec.flatten_up_to(grads), cloned, collective=collective)
-        return tree_unflatten(spec, copies), new_state
-
-    def end_iteration(state: ZeroState) -> ZeroState:
-        """The state after all buckets of an iteration were stepped (step + 1)."""
-        return state._replace(step=state.step + 1)
-
-    return Zero(init, update, update_, update_subset_, end_iteration)
+    return Zero(
+        init=bound(init, optimizer),
+        update=bound(update, optimizer),
+        update_=bound(update_, optimizer),
+        update_subset_=bound(update_subset_, optimizer),
+        end_iteration=end_iteration,
+    )
