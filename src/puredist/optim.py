@@ -106,6 +106,12 @@ class Optimizer(NamedTuple):
             range), stepping nothing: what ZeRO runs on every rank before its rank check,
             so that a rank owning nothing learns an owner's refusal instead of waiting
             for its broadcast. ``None``: nothing to check (one built by hand).
+        elementwise: each element's step depends on that element's parameter,
+            gradient and state only (no norm, no per-tensor statistic), so that a step
+            of tensors laid end to end in one buffer equals the step of each: what
+            lets DiLoCo step a fragment's global copy as one tensor
+            (:mod:`puredist.outer.flat`). ``False`` for one built by hand unless it
+            says so.
     """
 
     init: Callable[[PyTree], PyTree]
@@ -113,6 +119,7 @@ class Optimizer(NamedTuple):
     update_: Callable[[PyTree, PyTree, PyTree], PyTree]
     config: str = ""
     check: Callable[[Sequence[NamedTuple]], None] | None = None
+    elementwise: bool = False
 
 
 def _config(kind: str, **hypers: Any) -> str:
@@ -418,7 +425,7 @@ def _make_optimizer(
         new = copies(leaves, recorded=True)  # the update is differentiable
         return tree_unflatten(spec, new), tree_unflatten(spec, stepped(new, grad_leaves, cloned, True))
 
-    return Optimizer(init, update, update_, config, check_states)
+    return Optimizer(init, update, update_, config, check_states, elementwise=True)  # SGD, Adam, AdamW
 
 
 def sgd(

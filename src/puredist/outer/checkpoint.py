@@ -30,6 +30,7 @@ import torch.distributed as dist
 from puredist._dtensors import like, local_shard
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig
+from puredist.outer.flat import relaid_states
 from puredist.outer.schedule import due_fragments, fragment_leaves
 from puredist.outer.state import InFlight, OuterState
 
@@ -72,6 +73,7 @@ def state_dict(config: OuterConfig, state: OuterState, *, rank: int) -> dict[str
         saved[f"residual.{i}.rank{rank}"] = residual
     return saved
 
+
 def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], *, rank: int) -> OuterState:
     """The state ``saved`` holds, validated against this transform and ``state``
     (a template, e.g. ``init``)."""
@@ -82,16 +84,20 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
         else saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True)
         for i, g in enumerate(state.global_params)
     )
+
     def restored(i: int, field: str, template: torch.Tensor | None) -> torch.Tensor | None:
         if not saved.get(f"outer.{i}.{field}.present", False):  # (a field added since: absent, None)
             return None
         device = template.device if template is not None else global_params[i].device
         return saved[f"outer.{i}.{field}"].to(device=device, copy=True)
 
-    outer_state = tuple(
+
+    outer_state = [
         type(leaf_state)(**{field: restored(i, field, value) for field, value in leaf_state._asdict().items()})
         for i, leaf_state in enumerate(state.outer_state)
-    )
+    ]
+    global_params = list(global_params)
+    relaid_states(fragments, state.global_params, state.outer_state, global_params, outer_state)
     in_flight = []
     for f, indices in enumerate(fragments):
         apply_step = int(saved[f"in_flight.{f}.apply_step"])
@@ -112,7 +118,7 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
         saved[f"residual.{i}.rank{rank}"].to(device=r.device, dtype=torch.float32, copy=True)
         for i, r in enumerate(state.residuals)
     )
-    return OuterState(int(saved["step"]), global_params, outer_state, tuple(in_flight), residuals)
+    return OuterState(int(saved["step"]), tuple(global_params), tuple(outer_state), tuple(in_flight), residuals)
 
 def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
     """Raise ``ValueError`` unless ``saved`` is a state of this very transform that

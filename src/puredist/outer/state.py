@@ -19,6 +19,7 @@ from puredist._dtensors import is_dtensor, local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig
+from puredist.outer.flat import flat_init, flattens
 from puredist.outer.schedule import fragment_leaves
 from puredist.tree import PyTree
 
@@ -106,18 +107,29 @@ def init_state(config: OuterConfig, params: PyTree) -> OuterState:
         ValueError: more fragments than parameter leaves.
     """
     leaves, _ = _float_leaves(params, in_place=True)
-    fragment_leaves(config, leaves)
-    global_params = tuple(
-        pinned_if_host_of_gpu(
-            leaf.detach().to(
-                device=config.global_device if config.global_device is not None else leaf.device,
-                dtype=config.global_dtype or leaf.dtype, copy=True,
-            ),
-            leaf,
-        )
-        for leaf in leaves
-    )
+    global_params: list = [None] * len(leaves)
+    outer_state: list = [None] * len(leaves)
+    for indices in fragment_leaves(config, leaves):
+        fragment = [leaves[i] for i in indices]
+        if flattens(config, fragment):  # views of one buffer: stepped as one tensor (see puredist.outer.flat)
+            copy, states = flat_init(config, fragment)
+        else:
+            copy = [_global_copy(config, leaf) for leaf in fragment]
+            states = list(config.outer.init(copy))
+        for k, i in enumerate(indices):
+            global_params[i], outer_state[i] = copy[k], states[k]
     residuals = (  # rank-local: a DTensor's residual is its local shard's
         tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves) if config.compressor else ()
     )
-    return OuterState(0, global_params, tuple(config.outer.init(list(global_params))), (), residuals)
+    return OuterState(0, tuple(global_params), tuple(outer_state), (), residuals)
+
+
+def _global_copy(config: OuterConfig, leaf: torch.Tensor) -> torch.Tensor:
+    """A leaf's global copy on its own: on ``global_device``, in ``global_dtype``."""
+    return pinned_if_host_of_gpu(
+        leaf.detach().to(
+            device=config.global_device if config.global_device is not None else leaf.device,
+            dtype=config.global_dtype or leaf.dtype, copy=True,
+        ),
+        leaf,
+    )

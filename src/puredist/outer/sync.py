@@ -25,11 +25,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import is_dtensor
-from puredist._inputs import Checked, checked_like
-from puredist.collectives import Collective, CollectiveHandle
+from puredist._inputs import Checked, checked, checked_like
+from puredist.collectives import Collective, CollectiveHandle, DistributedCollective
 from puredist.compression import compressed_mean
 from puredist.optim import copies
 from puredist.outer.config import OuterConfig
+from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_state, step_flat
 from puredist.outer.schedule import is_first_sync
 from puredist.outer.state import InFlight, OuterState
 
@@ -88,16 +89,23 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
     compressor it completes here, and its residuals in ``residuals`` are replaced."""
     with torch.no_grad():
         locals_ = [leaves[i] for i in indices]
+        sent = None
         if config.same_place and leaves.layout.plain:
             globals_ = [state.global_params[i] for i in indices]
-            # the differences' strides follow both operands': their layout is kept per layout of the leaves too
-            pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
+            # real ranks average any tensor (simulated ones need the replica axis leading)
+            flat = flat_base(globals_) if isinstance(collective, DistributedCollective) else None
+            if flat is not None:  # one new buffer, averaged as one tensor; the state carries its views
+                pseudo_flat, pseudo = flat_pseudo_gradient(flat, globals_, locals_)
+                sent = checked([pseudo_flat])
+            else:
+                # the differences' strides follow both operands': their layout is kept per layout of the leaves too
+                pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
         else:
             pseudo = tuple(pseudo_gradient(config, state.global_params[i], leaves[i].detach()) for i in indices)
         snapshot = tuple(copies(locals_)) if config.delay else ()
         apply_step = state.step + config.delay
         if config.compressor is None:
-            handle = issue(config, pseudo, state.step, fragment, collective)
+            handle = issue(config, pseudo if sent is None else sent, state.step, fragment, collective)
             return InFlight(apply_step, fragment, tuple(pseudo), snapshot, handle)
         means, left = compressed_mean(list(pseudo), tuple(residuals[i] for i in indices), config.compressor,
                                       collective, context=str(SyncContext(config, fragment, state.step)))
@@ -113,9 +121,14 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     leaf) and write the new global parameters into ``leaves``, in place."""
     targets = [global_params[i] for i in indices]
     fast = config.same_place and leaves.layout.plain
+    first = is_first_sync(config, item.fragment, item.apply_step - config.delay)
+    if fast and _applied_flat(config, targets, [outer_state[i] for i in indices], item.pseudo_grads, first):
+        with torch.no_grad():
+            _write_back_fast([leaves[i] for i in indices], targets, item.snapshot)
+        return
     grads = list(item.pseudo_grads) if fast else fetched(item.pseudo_grads, targets)
     with torch.no_grad():
-        if is_first_sync(config, item.fragment, item.apply_step - config.delay):
+        if first:
             # the fragment's first synchronization only establishes the synchronized
             # point: plain averaging, g - mean(g - l) = mean(l); the outer optimizer
             # starts from there (else all of warm-up would be one outer step)
@@ -128,6 +141,23 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
             _write_back_fast([leaves[i] for i in indices], targets, item.snapshot)
         else:
             _write_back(leaves, indices, targets, item.snapshot)
+
+
+def _applied_flat(config: OuterConfig, targets: list, states: list, pseudo: Sequence[torch.Tensor], first: bool) -> bool:
+    """Step a flat fragment as one tensor (see :mod:`puredist.outer.flat`) if its
+    global copy, outer state and pseudo-gradients are views of one buffer each;
+    whether it did."""
+    flat = flat_base(targets) if config.outer.elementwise else None
+    if flat is None:
+        return False
+    sent = pseudo[0]._base  # made by start as views of one buffer, or per leaf (a loaded checkpoint)
+    if sent is None or sent.data_ptr() != pseudo[0].data_ptr() or sent.shape != flat.shape:
+        return False
+    state = None if first else flat_state(states)
+    if state is None and not first:
+        return False
+    step_flat(config, flat, sent, state)
+    return True
 
 
 def _write_back_fast(locals_: list[torch.Tensor], targets: list[torch.Tensor], snapshot: tuple) -> None:

@@ -1,0 +1,181 @@
+"""Flat fragments: a fragment's global copy and outer state as views of one buffer
+each, so that a synchronization steps the fragment as one tensor.
+
+With the global copy in the parameters' own place (:attr:`OuterConfig.same_place`),
+an elementwise outer optimizer (:attr:`~puredist.Optimizer.elementwise`) and a
+fragment of one device and dtype, :func:`flat_init` lays the fragment's global copy
+end to end in one buffer and gives each leaf a view of it (the state keeps its
+per-leaf form: checkpoints, ``update`` and the other paths see the same tensors),
+and the outer state likewise when every field of it is shaped like the parameters
+(SGD's momentum; not a per-parameter step count). A synchronization then takes the
+pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), averages that one
+tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
+of a few per leaf. Elementwise, the results are those of the per-leaf path, bit for
+bit.
+
+Whether a list of views still tiles its buffer is decided from the tensors'
+metadata, once per layout (:func:`flat_base`): a state rebuilt per leaf (by
+``load_state_dict``, by the pure ``update``'s copies) takes the per-leaf path.
+
+This module must not communicate.
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+from typing import NamedTuple, Sequence
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from puredist._dtensors import is_dtensor
+from puredist._layout import layout_of
+from puredist.outer.config import OuterConfig
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``, end to end (one C++ call)."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, list(like)))
+
+
+def flattens(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a fragment of these parameter leaves gets flat buffers."""
+    first = leaves[0]
+    return (
+        config.same_place and config.outer.elementwise
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t) for t in leaves)
+        and all(t.dtype == first.dtype and t.device == first.device and not t.is_complex() for t in leaves)
+    )
+
+
+def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[NamedTuple]]:
+    """``(global copy, outer states)`` of one fragment's ``leaves``: views of one
+    buffer each where the outer state's fields are all shaped like the buffer (else
+    the states are made per leaf)."""
+    first = leaves[0]
+    flat = torch.empty(sum(t.numel() for t in leaves), dtype=first.dtype, device=first.device)
+    copy = _views(flat, leaves)
+    with torch.no_grad():
+        torch._foreach_copy_(copy, [t.detach() for t in leaves])
+    (flat_state,) = config.outer.init([flat])
+    fields = [field for field in flat_state if field is not None]
+    if not all(isinstance(f, torch.Tensor) and f.shape == flat.shape for f in fields):
+        return copy, list(config.outer.init(copy))
+    columns = [None if field is None else _views(field, leaves) for field in flat_state]
+    states = [type(flat_state)(*(None if c is None else c[k] for c in columns)) for k in range(len(leaves))]
+    return copy, states
+
+
+def flat_base(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one-dimensional buffer ``tensors`` are views of, end to end and in order,
+    covering all of it; ``None`` when they are not (or not all tensors)."""
+    if not tensors or _any_none(tensors):
+        return None
+    base = tensors[0]._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    layout = layout_of(tensors)
+    if not layout.plain or not layout.derived("tiles", lambda: _tile_bytes(tensors)):
+        return None
+    if base.data_ptr() != tensors[0].data_ptr() or base.numel() * base.element_size() != layout.memo["tiles"]:
+        return None
+    return base
+
+
+def _any_none(items: Sequence[object]) -> bool:
+    return any(map(operator.is_, items, repeat(None)))  # C-level: no Python frame per item
+
+
+def _tile_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """The bytes ``tensors`` span when each is contiguous and starts where the one
+    before ends (one dtype and device); ``0`` (not ``None``: remembered) when not."""
+    first = tensors[0]
+    address = first.data_ptr()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or not t.is_contiguous() or t.data_ptr() != address:
+            return 0
+        address += t.numel() * t.element_size()
+    return address - first.data_ptr()
+
+
+def flat_state(states: Sequence[NamedTuple]) -> NamedTuple | None:
+    """The per-leaf ``states`` as one state of their buffers (each field's views
+    tiling one buffer, or ``None`` throughout), or ``None`` when they are not."""
+    fields = []
+    for column in zip(*states):
+        if not any(map(operator.is_not, column, repeat(None))):
+            fields.append(None)
+            continue
+        base = flat_base(column)
+        if base is None:
+            return None
+        fields.append(base)
+    return type(states[0])(*fields)
+
+
+_SCRATCH: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Per flat global copy (held weakly): the buffer its pseudo-gradients are taken into
+and that buffer's per-leaf views, made once (views made at every synchronization
+would be host work per leaf)."""
+
+
+def flat_pseudo_gradient(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
+                         locals_: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``global - local`` of a flat fragment (its global copy ``global_flat``, viewed
+    as ``globals_``) in the fragment's pseudo-gradient buffer: ``(buffer, its views
+    per leaf)``. The buffer is the fragment's own, reused at its next
+    synchronization (at most one of a fragment's is in flight: ``delay <
+    sync_every``); it lives as long as the global copy (one more copy of the
+    fragment, which the per-leaf path allocates at every synchronization instead)."""
+    entry = _SCRATCH.get(global_flat)
+    if entry is None:
+        buffer = torch.empty_like(global_flat)
+        entry = _SCRATCH[global_flat] = (buffer, tuple(_views(buffer, globals_)))
+    buffer, views = entry
+    with torch.no_grad():
+        torch._foreach_copy_(list(views), list(locals_))
+        torch.sub(global_flat, buffer, out=buffer)
+    return buffer, views
+
+
+def step_flat(config: OuterConfig, global_flat: torch.Tensor, pseudo: torch.Tensor, state: NamedTuple | None) -> None:
+    """The outer step of a flat fragment in place (``state=None``: its first
+    synchronization, plain averaging ``g - mean(g - l)``); a state field the
+    optimizer returns anew is copied into its buffer, so the views stay the state."""
+    with torch.no_grad():
+        if state is None:
+            global_flat.sub_(pseudo)
+            return
+        (stepped,) = config.outer.update_([global_flat], [pseudo], [state])
+        for old, new in zip(state, stepped):
+            if new is not old and isinstance(new, torch.Tensor):
+                old.copy_(new)
+
+
+def relaid(template: Sequence[torch.Tensor], loaded: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``loaded`` (one tensor per leaf, e.g. from a checkpoint) laid out as
+    ``template`` is: in a new buffer of its own, viewed per leaf, where the
+    template's tensors are views of one buffer (see :func:`flat_base`); else as they are."""
+    base = None if _any_none(template) or _any_none(loaded) else flat_base(template)
+    if base is None:
+        return list(loaded)
+    views = _views(torch.empty_like(base), template)
+    with torch.no_grad():
+        torch._foreach_copy_(views, list(loaded))
+    return views
+
+
+def relaid_states(fragments: Sequence[Sequence[int]], template_globals: Sequence[torch.Tensor],
+                  template_states: Sequence[NamedTuple], globals_: list, states: list) -> None:
+    """Lay out each fragment's loaded global copy ``globals_`` and outer ``states``
+    (lists, replaced per leaf) as the template's: flat where it is flat, so that a
+    resumed run steps its fragments as one tensor again."""
+    for indices in fragments:
+        for i, tensor in zip(indices, relaid([template_globals[i] for i in indices], [globals_[i] for i in indices])):
+            globals_[i] = tensor
+        for field in (template_states[indices[0]]._fields if template_states else ()):
+            column = relaid([getattr(template_states[i], field) for i in indices],
+                            [getattr(states[i], field) for i in indices])
+            for i, tensor in zip(indices, column):
+                states[i] = states[i]._replace(**{field: tensor})
