@@ -228,10 +228,10 @@ def test_an_optimizer_update_under_vmap_over_stacked_params_and_states_equals_th
     stacked = {"w": torch.randn(replicas, 4, 3, generator=gen), "b": torch.randn(replicas, 5, generator=gen)}
     eager = [{k: v[r].clone() for k, v in stacked.items()} for r in range(replicas)]
     eager_states = [optimizer.init(p) for p in eager]
-    one = optimizer.init(eager[0])  # the same fresh state, stacked (absent fields stay None), shaped like the params
+    one = optimizer.init(eager[0])  # the same fresh state, stacked, shaped like the params
     assert set(one) == set(stacked)
     state = {k: type(s)(*(None if t is None else torch.stack([t] * replicas) for t in s)) for k, s in one.items()}
-    axes = vmap_axes(state)  # the same at every step: no field changes from None to a tensor
+    axes = vmap_axes(state)  # the same at every step
     assert vmap_axes((puredist.AveragerState(step=3), state["w"])) == (puredist.AveragerState(step=None), axes["w"])
     for _ in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in stacked.items()}
@@ -244,6 +244,47 @@ def test_an_optimizer_update_under_vmap_over_stacked_params_and_states_equals_th
             # SGD's kernel is the same; Adam's differentiable form takes the step's powers in float32
             tolerance = 0 if name == "sgd" else 1e-6
             torch.testing.assert_close(stacked[k][r], eager[r][k], rtol=tolerance, atol=tolerance)
+
+
+PLAIN_VMAP_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "sgd_without_momentum": lambda: puredist.sgd(lr=0.1),
+    "sgd_momentum": lambda: puredist.sgd(lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_VMAP_OPTIMIZERS))
+def test_plain_vmap_of_init_and_update_with_default_dims_equals_the_eager_loop(name):
+    """As ``jax.vmap(optax.adam(...).init)``: no ``in_dims``/``out_dims``, every state
+    field a tensor (no ``None`` for a field a configuration does not use)."""
+    optimizer, replicas, gen = PLAIN_VMAP_OPTIMIZERS[name](), 3, torch.Generator().manual_seed(1)
+    stacked = {"w": torch.randn(replicas, 4, 3, generator=gen), "b": torch.randn(replicas, 5, generator=gen)}
+    eager = [{k: v[r].clone() for k, v in stacked.items()} for r in range(replicas)]
+    eager_states = [optimizer.init(p) for p in eager]
+    state = vmap(optimizer.init)(stacked)
+    for k in stacked:
+        assert type(state[k]) is type(eager_states[0][k])
+        for field, value in state[k]._asdict().items():
+            assert value.shape[0] == replicas, (field, value.shape)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in stacked.items()}
+        for r in range(replicas):
+            eager[r], eager_states[r] = optimizer.update(eager[r], {k: v[r] for k, v in grads.items()}, eager_states[r])
+        stacked, state = vmap(optimizer.update)(stacked, grads, state)
+    tolerance = 0 if name.startswith("sgd") else 1e-6  # Adam's differentiable form: the step's powers in float32
+    for r in range(replicas):
+        for k in stacked:
+            torch.testing.assert_close(stacked[k][r], eager[r][k], rtol=tolerance, atol=tolerance)
+            for mapped, alone in zip(state[k], eager_states[r][k]):
+                torch.testing.assert_close(mapped[r], alone, rtol=tolerance, atol=tolerance)
+
+
+def test_a_schedule_under_plain_vmap_names_the_one_line_that_maps_it():
+    optimizer = puredist.sgd(lr=lambda count: 0.1 / (1 + count), momentum=0.9)
+    stacked = [torch.ones(2, 3)]
+    state = vmap(optimizer.init)(stacked)
+    with pytest.raises(NotImplementedError, match=r"axes = \[a._replace\(step=None\) for a in "):
+        vmap(optimizer.update)(stacked, [torch.ones(2, 3)], state)
 
 
 @pytest.mark.parametrize("options", [

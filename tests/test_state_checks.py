@@ -111,6 +111,21 @@ def test_a_checkpoint_of_another_kind_of_optimizer_built_by_hand_is_refused():
         loading.load_state_dict(loading.init(params), saved, rank=0)
 
 
+def test_a_checkpoint_that_marks_unused_state_fields_absent_still_loads():
+    """Checkpoints from before states dropped their unused fields saved SGD without
+    momentum as ``momentum_buffer`` and ``step`` marked absent: they load, the same
+    values."""
+    params = [p.unsqueeze(0) for p in _params().values()]  # one simulated rank
+    transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=1)
+    state = transform.update_(params, transform.init(params), collective=puredist.SimulatedCollective(1))
+    saved = transform.state_dict(state, rank=0)
+    for i, g in enumerate(state.global_params):
+        for field in ("momentum_buffer", "step"):
+            saved[f"outer.{i}.{field}.present"], saved[f"outer.{i}.{field}"] = False, torch.zeros_like(g)
+    loaded = transform.load_state_dict(transform.init(params), saved, rank=0)
+    assert loaded.step == 1 and all(torch.equal(a, b) for a, b in zip(loaded.global_params, state.global_params))
+
+
 def _everyone_loads_rank_0s_file(rank, world_size, folder):
     alone, _ = dist.new_subgroups(group_size=1)  # gradients stay local after the start: ranks drift apart
     model, optimizer, _ = build(PUREDIST, alone)

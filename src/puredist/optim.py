@@ -54,19 +54,46 @@ from puredist._docs import fields_documented
 
 @fields_documented
 class SGDParamState(NamedTuple):
-    """SGD state of one parameter.
+    """SGD state of one parameter, with momentum (torch's layout).
 
     Attributes:
         momentum_buffer: the momentum buffer: zeros (``-0.0``) from ``init`` (the first
-            step then makes it the gradient, as torch's first step does; with
-            dampening, the count tells the first step, which takes the gradient
-            undamped); ``None`` without momentum.
-        step: with a schedule or dampened momentum, the updates taken (a 0-dim
-            float32 CPU tensor, as Adam's); else ``None``.
+            step then makes it the gradient, as torch's first step does). ``None`` is
+            taken as input (a state from before torch's first step) and never returned.
     """
 
     momentum_buffer: torch.Tensor | None
-    step: torch.Tensor | None = None
+
+
+@fields_documented
+class SGDCountedParamState(NamedTuple):
+    """SGD state of one parameter, with momentum and a step count: with a schedule or
+    dampened momentum (the count tells the first step, which takes the gradient
+    undamped).
+
+    Attributes:
+        momentum_buffer: as :class:`SGDParamState`'s.
+        step: the updates taken, a 0-dim float32 CPU tensor (as Adam's).
+    """
+
+    momentum_buffer: torch.Tensor | None
+    step: torch.Tensor
+
+
+@fields_documented
+class SGDCountParamState(NamedTuple):
+    """SGD state of one parameter without momentum, with a schedule.
+
+    Attributes:
+        step: the updates taken, a 0-dim float32 CPU tensor.
+    """
+
+    step: torch.Tensor
+
+
+class SGDNoParamState(NamedTuple):
+    """SGD state of one parameter without momentum or schedule: nothing (as optax's
+    ``EmptyState``)."""
 
 
 @fields_documented
@@ -77,16 +104,33 @@ class AdamParamState(NamedTuple):
         step: the number of steps taken, a 0-dim float32 CPU tensor.
         exp_avg: first-moment running average.
         exp_avg_sq: second-moment running average.
-        max_exp_avg_sq: running max of ``exp_avg_sq`` with amsgrad, else ``None``.
     """
 
     step: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    max_exp_avg_sq: torch.Tensor | None
 
 
-_PARAM_STATES = (SGDParamState, AdamParamState)
+@fields_documented
+class AMSGradParamState(NamedTuple):
+    """Adam/AdamW state of one parameter with amsgrad (torch's layout).
+
+    Attributes:
+        step, exp_avg, exp_avg_sq: as :class:`AdamParamState`'s.
+        max_exp_avg_sq: the running max of ``exp_avg_sq``.
+    """
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor
+
+
+_PARAM_STATES = (SGDParamState, SGDCountedParamState, SGDCountParamState, SGDNoParamState, AdamParamState,
+                 AMSGradParamState)
+"""Every per-parameter state holds tensors only, no ``None`` field (a configuration
+that keeps no buffer or count has a state without that field), so that plain
+``torch.func.vmap`` maps them (as optax's states)."""
 _PARAM_STATE_TYPES = set(_PARAM_STATES)
 
 
@@ -195,7 +239,7 @@ def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
 
 def _check_counted(states: Sequence[NamedTuple], why: str) -> None:
     """Raise ``TypeError`` unless every state counts its steps (``why`` needs them)."""
-    uncounted = [k for k, s in enumerate(states) if s.step is None]
+    uncounted = [k for k, s in enumerate(states) if getattr(s, "step", None) is None]
     if uncounted:
         raise TypeError(
             f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer that keeps no "
@@ -303,8 +347,8 @@ def copies(tensors: Sequence[torch.Tensor], *, recorded: bool = False) -> list[t
 def clone_states(states: Sequence[NamedTuple], *, recorded: bool = False) -> list[NamedTuple]:
     """Copies of per-parameter states (NamedTuples of one kind), field by field
     (``recorded``: as for :func:`copies`)."""
-    if not states:
-        return []
+    if not states or not states[0]._fields:
+        return list(states)  # (a state with no field holds nothing to copy)
     columns = []
     for column in zip(*states):
         if all(t is None for t in column):
@@ -343,7 +387,15 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     return states
 
 
-_BUFFER = {SGDParamState: "momentum_buffer", AdamParamState: "exp_avg"}
+_BUFFER = {SGDParamState: "momentum_buffer", SGDCountedParamState: "momentum_buffer", AdamParamState: "exp_avg",
+           AMSGradParamState: "exp_avg"}
+
+
+def _sgd_state(buffer: torch.Tensor | None, count: torch.Tensor | None) -> NamedTuple:
+    """The SGD state of one parameter holding what it has (no ``None`` field)."""
+    if buffer is not None:
+        return SGDParamState(buffer) if count is None else SGDCountedParamState(buffer, count)
+    return SGDNoParamState() if count is None else SGDCountParamState(count)
 
 
 def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -> None:
@@ -353,9 +405,11 @@ def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) 
     kinds = set(map(type, states))
     if len(kinds) != 1:
         return
-    field = _BUFFER[kinds.pop()]
+    field = _BUFFER.get(kinds.pop())
+    if field is None:  # SGD without momentum: nothing shaped like the parameters
+        return
     buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
-    if not buffers or buffers[0] is None:  # SGD without momentum: nothing shaped like the parameters
+    if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
         return
     if [b.shape for b in buffers] == [p.shape for p in leaves]:
         return
@@ -490,13 +544,13 @@ def sgd(
         return buffer
 
     def run(params, grads, states, traced, lr, weight_decay, momentum):
-        buffers = [s.momentum_buffer for s in states]
+        buffers = [getattr(s, "momentum_buffer", None) for s in states]
         if momentum and dampening and traced:
             _check_counted(states, "SGD with dampening knows its first step by the count")
             buffers = [dampened_traced_step(p, g, s, lr, weight_decay, momentum) for p, g, s in zip(params, grads, states)]
             for state in states:
                 state.step.add_(1)
-            return [SGDParamState(b, s.step) for b, s in zip(buffers, states)]
+            return [SGDCountedParamState(b, s.step) for b, s in zip(buffers, states)]
         if momentum and dampening:  # torch's first step copies the gradient undamped: a fresh buffer starts there
             counts = _read_counts(states, "SGD with dampening knows its first step by the count")
             buffers = [None if count == 0 else buffer for buffer, count in zip(buffers, counts)]
@@ -511,22 +565,21 @@ def sgd(
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
             buffers[k] = buffer
-        for state in states:  # scheduled: one more update taken (in place, as Adam's kernel counts)
-            if state.step is not None:
-                state.step.add_(1)
-        if all(map(operator.is_, buffers, [s.momentum_buffer for s in states])):
+        counts = [getattr(s, "step", None) for s in states]
+        for count in counts:  # scheduled: one more update taken (in place, as Adam's kernel counts)
+            if count is not None:
+                count.add_(1)
+        if not has_momentum or all(map(operator.is_, buffers, [getattr(s, "momentum_buffer", None) for s in states])):
             return list(states)  # every buffer was stepped in place (the usual case: no new state to build)
-        return [SGDParamState(b if has_momentum else None, s.step) for b, s in zip(buffers, states)]
+        return [_sgd_state(b, count) for b, count in zip(buffers, counts)]
 
-    def init_leaf(p: torch.Tensor) -> SGDParamState:
+    def init_leaf(p: torch.Tensor) -> NamedTuple:
         counted = callable(lr) or callable(weight_decay) or callable(momentum) or (momentum and dampening)
         count = torch.zeros((), dtype=torch.float32) if counted else None
         # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
         # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0);
         # with dampening the first step starts from the gradient instead (see run)
-        if has_momentum:
-            return SGDParamState(torch.full_like(p, -0.0, memory_format=torch.preserve_format), count)
-        return SGDParamState(None, count)
+        return _sgd_state(torch.full_like(p, -0.0, memory_format=torch.preserve_format) if has_momentum else None, count)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
@@ -548,11 +601,11 @@ def _adam_family(
     def validate(name: str, value: Any) -> None:
         _check_betas(value) if name == "betas" else _check_nonnegative(name, value)
 
-    def init_leaf(p: torch.Tensor) -> AdamParamState:
+    def init_leaf(p: torch.Tensor) -> AdamParamState | AMSGradParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
         # as torch.optim.Adam: the fused kernel keeps the step on the parameter's device
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")
-        return AdamParamState(step, zeros(), zeros(), zeros() if amsgrad else None)
+        return AMSGradParamState(step, zeros(), zeros(), zeros()) if amsgrad else AdamParamState(step, zeros(), zeros())
 
     def kernel(params, grads, states, traced, lr: float, weight_decay: float, betas) -> None:
         maximize_here = maximize

@@ -89,9 +89,9 @@ def clone_leaves(leaves: list[Any]) -> list[Any]:
 
 def vmap_axes(tree: PyTree, axis: int = 0) -> PyTree:
     """``tree``'s structure with ``axis`` for each tensor and ``None`` for everything
-    else (``None`` fields, Python numbers): the ``in_dims``/``out_dims`` that
-    ``torch.func.vmap`` needs for a state with fields a configuration does not use
-    (SGD's momentum buffer without momentum, Adam's ``max_exp_avg_sq`` without amsgrad:
-    ``None`` at every step) or static data (an averager's step), e.g.
-    ``vmap(opt.update, in_dims=(0, 0, vmap_axes(state)), out_dims=(0, vmap_axes(state)))``."""
+    else (Python numbers, ``None``): the ``in_dims``/``out_dims`` that
+    ``torch.func.vmap`` needs for a tree holding static data (an averager's step), or
+    a starting point for unmapping some tensors, e.g. an optimizer's step counts:
+    ``axes = [a._replace(step=None) for a in vmap_axes(state)]``, then
+    ``vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))``."""
     return torch_pytree.tree_map(lambda leaf: axis if isinstance(leaf, torch.Tensor) else None, tree)

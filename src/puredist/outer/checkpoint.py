@@ -167,7 +167,9 @@ def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any
             f"{config.text!r}: the schedules and payloads differ, so it cannot continue that run."
         )
     fields = set(state.outer_state[0]._fields) if state.outer_state else set()
-    saved_fields = {key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present")}
+    saved_fields = {  # (a checkpoint from before states dropped unused fields marks them absent)
+        key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present") and saved[key]
+    }
     if saved_fields - fields:
         raise ValueError(
             f"Arg ``saved`` holds outer-optimizer state with fields {sorted(saved_fields)}; this transform's "
