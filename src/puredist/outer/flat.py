@@ -3,7 +3,8 @@ each, so that a synchronization steps the fragment as one tensor.
 
 With the global copy in the parameters' own place (:attr:`OuterConfig.same_place`),
 an elementwise outer optimizer (:attr:`~puredist.Optimizer.elementwise`) and a
-fragment of one device and dtype, :func:`flat_init` lays the fragment's global copy
+fragment of one device and dtype whose leaves are small (host-bound: see
+:data:`_FLAT_MAX_LEAF_BYTES`), :func:`flat_init` lays the fragment's global copy
 end to end in one buffer and gives each leaf a view of it (the state keeps its
 per-leaf form: checkpoints, ``update`` and the other paths see the same tensors),
 and the outer state likewise when every field of it is shaped like the parameters
@@ -39,11 +40,19 @@ def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tenso
     return list(torch._C._nn.unflatten_dense_tensors(flat, list(like)))
 
 
+_FLAT_MAX_LEAF_BYTES = 1 << 16
+"""A fragment is laid out flat while its leaves average at most 64 KiB: there a
+kernel per leaf costs more than the flat path's one more pass over the bytes (and
+its temporaries stay small enough for the allocator to reuse; on a CPU, one of more
+than 32 MiB is new memory, faulted in, at every call)."""
+
+
 def flattens(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> bool:
     """Whether a fragment of these parameter leaves gets flat buffers."""
     first = leaves[0]
     return (
         config.same_place and config.outer.elementwise
+        and sum(t.numel() for t in leaves) * first.element_size() <= _FLAT_MAX_LEAF_BYTES * len(leaves)
         and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t) for t in leaves)
         and all(t.dtype == first.dtype and t.device == first.device and not t.is_complex() for t in leaves)
     )
