@@ -103,7 +103,7 @@ def _resume(rank, world_size, how, folder, comm_dtype):
     return True
 
 
-@pytest.mark.parametrize("how, comm_dtype", [("torch.save", torch.bfloat16), ("dcp", torch.bfloat16), ("torch.save", None)])
+@pytest.mark.parametrize("how, comm_dtype", [("torch.save", torch.bfloat16), ("dcp", torch.bfloat16), ("torch.save", None), ("dcp", None)])
 def test_a_restart_mid_synchronization_continues_the_same_trajectory(how, comm_dtype, tmp_path):
     """``comm_dtype=None``: a flat fragment's in-flight views are saved per leaf and
     loaded per leaf (the per-leaf path applies them), then flat again."""
