@@ -1,4 +1,7 @@
-"""``python -m puredist COMMAND``: ``demo`` (the main job); ``--help`` lists the commands."""
+"""``python -m puredist COMMAND``: ``demo`` (the main job); ``--help`` lists the commands.
+
+This module must not hold a command's logic: it dispatches to the command's module.
+"""
 
 import sys
 

@@ -5,6 +5,8 @@ which is what the API reference (pdoc) and ``help()`` show. :func:`fields_docume
 gives each field the text its class's ``Attributes:`` section has for it (Google
 style: ``name: text``, or ``a, b: text`` for several, continued on more indented
 lines). It only sets docstrings.
+
+This module must not change behaviour: it only sets docstrings.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ torch (``post_localSGD_hook.post_localSGD_hook`` is the hook)::
 
     from puredist.classic import post_localSGD_hook as post_localSGD
     model.register_comm_hook(post_localSGD.PostLocalSGDState(None, None, 10), post_localSGD.post_localSGD_hook)
+
+This package must not compute anything of its own: every class and hook delegates to
+puredist's functions and keeps torch's surface (names, signatures, warnings, errors).
 """
 
 from puredist.classic.averagers import ModelAverager, PeriodicModelAverager

@@ -4,6 +4,8 @@ The classes keep torch's names, signatures, defaults, warnings and errors; their
 state is a pure-core :class:`~puredist.averaging.AveragerState` and their logic is
 the core's :func:`~puredist.averaging.periodic_averager`. They gain
 ``state_dict()``/``load_state_dict()``.
+
+This module must not average by itself: it calls puredist's averagers.
 """
 
 from __future__ import annotations

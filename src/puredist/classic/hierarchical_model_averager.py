@@ -1,4 +1,7 @@
-"""Drop-in for ``torch.distributed.algorithms.model_averaging.hierarchical_model_averager``."""
+"""Drop-in for ``torch.distributed.algorithms.model_averaging.hierarchical_model_averager``.
+
+This module must not average by itself: it calls puredist's hierarchical averager.
+"""
 
 from __future__ import annotations
 

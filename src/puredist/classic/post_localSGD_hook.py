@@ -3,6 +3,9 @@
 Same behaviour as torch's hook; :class:`PostLocalSGDState` gains
 ``state_dict()``/``load_state_dict()`` so that its iteration counter (which decides
 between global and local gradient all-reduce) survives a restart.
+
+This module must not average parameters: it reduces DDP's gradient buckets only (the
+parameters are the averager's).
 """
 
 

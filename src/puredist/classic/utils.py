@@ -4,6 +4,8 @@ Differences on purpose: :func:`average_parameters` averages in place in bounded
 buckets (torch flattens the whole model into one promoted buffer and rebinds every
 ``p.data`` to it), and raises :class:`~puredist.RankMismatchError` on every rank when
 ranks pass different parameters (torch hangs or averages garbage).
+
+This module must not keep state between calls.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ embeddings, pre-norm blocks of causal multi-head self-attention
 (:func:`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, a final
 LayerNorm and a linear head (about 0.43M parameters with the defaults). The inner
 optimizer is AdamW, as in DiLoCo.
+
+This module must not download anything: the corpus ships with Python.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Spawns ``--world-size`` worker processes over Gloo on 127.0.0.1 with torch's own
 elastic launcher (the engine of ``torchrun``), trains the same model under each
 algorithm, then prints a table and writes ``results.json`` and ``demo.png`` into the
 output folder.
+
+This module must not train: it starts the workers and reports what they return.
 """
 
 from __future__ import annotations

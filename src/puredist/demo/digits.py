@@ -1,5 +1,8 @@
 """The quick task: a small MLP on scikit-learn's handwritten digits (shipped inside
-scikit-learn, nothing downloaded), plain SGD with momentum."""
+scikit-learn, nothing downloaded), plain SGD with momentum.
+
+This module must not download anything: the data ships with scikit-learn.
+"""
 
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ projected time of a whole run, so that every algorithm's measurements cover it: 
 extrapolation past the steps that ran). Communication is not overlapped with compute in the model (DDP does overlap
 it with the backward, streaming DiLoCo with local steps), so the projection is an
 upper bound for those.
+
+This module must not measure: it projects from what the workers measured.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The demo's summary: tables on stdout (measured, then projected) and a PNG of the curves."""
+"""The demo's summary: tables on stdout (measured, then projected) and a PNG of the curves.
+
+This module must not train or measure: it formats results.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ model's logits against integer targets (``logits.flatten(0, -2)`` against
 ``targets.flatten()``: a class per example for digits, a next character per position
 for the language model), and the averaged model is evaluated on a held-out set common
 to all workers.
+
+This module must not know an algorithm: the training loop chooses how to synchronize.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ before training, are not counted). The model
 evaluated (held-out loss and accuracy) is the average of the workers' models,
 computed with the pure :func:`puredist.average` (training is undisturbed). The
 optimizer state each worker holds is counted in bytes (ZeRO: only its shard).
+
+This module must not report: it returns what it measured to the launcher.
 """
 
 from __future__ import annotations

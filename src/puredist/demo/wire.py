@@ -6,6 +6,8 @@ thread, living or exited. Gloo's TCP transport writes its messages with ``writev
 from Gloo's own threads (its worker threads and its transport's); the main thread of
 a demo worker writes only the progress bar and files (and tqdm runs no monitor thread). So the bytes sent are the process's ``wchar`` minus the
 main thread's (``/proc/self/task/<tid>/io``).
+
+This module must not interpret the bytes: it only counts them.
 """
 
 from __future__ import annotations
