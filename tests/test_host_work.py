@@ -18,6 +18,7 @@ plans a layout once):
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -54,11 +55,14 @@ def _python_calls(fn) -> int:
         if event == "call" and (ours(frame) or ours(frame.f_back)):
             calls += 1
 
+    gc.collect()  # the collector's callbacks (weak references, finalizers of other objects) are not fn's work
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 

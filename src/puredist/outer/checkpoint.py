@@ -15,6 +15,8 @@ which ``torch.save`` and ``torch.distributed.checkpoint`` both store:
 - ``residual.{i}.rank{r}``: with a compressor, rank ``r``'s error-feedback residuals.
 
 Keys ending in ``rank{r}`` differ between ranks; the others are the same on every rank.
+The entries are the state's own tensors, not copies (as torch's ``state_dict``): save
+or copy them before the next ``update_``, which changes them in place.
 
 This module must not communicate, except that ``state_dict`` waits for the
 synchronizations in flight (their results are what it saves).

@@ -151,7 +151,8 @@ def _applied_flat(config: OuterConfig, targets: list, states: list, pseudo: Sequ
     if flat is None:
         return False
     sent = pseudo[0]._base  # made by start as views of one buffer, or per leaf (a loaded checkpoint)
-    if sent is None or sent.data_ptr() != pseudo[0].data_ptr() or sent.shape != flat.shape:
+    if (sent is None or sent.data_ptr() != pseudo[0].data_ptr() or sent.shape != flat.shape
+            or sent.dtype != flat.dtype or sent.device != flat.device):
         return False
     state = None if first else flat_state(states)
     if state is None and not first:
