@@ -4,7 +4,6 @@ reason) before anything is touched; complex tensors averaged."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import puredist
 from puredist import DistributedCollective, SimulatedCollective

@@ -6,7 +6,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import puredist

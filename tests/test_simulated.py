@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import puredist
 from puredist import SimulatedCollective, average, average_, hierarchical_averager, periodic_averager
-from puredist.testing import divisors, parameter_trees, replica_worlds
+from puredist.testing import divisors, replica_worlds
 from puredist.tree import tree_leaves, tree_map
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
