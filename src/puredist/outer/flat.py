@@ -68,12 +68,10 @@ def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list
     with torch.no_grad():
         torch._foreach_copy_(copy, [t.detach() for t in leaves])
     (flat_state,) = config.outer.init([flat])
-    fields = [field for field in flat_state if field is not None]
-    if not all(isinstance(f, torch.Tensor) and f.shape == flat.shape for f in fields):
-        return copy, list(config.outer.init(copy))
-    columns = [None if field is None else _views(field, leaves) for field in flat_state]
-    states = [type(flat_state)(*(None if c is None else c[k] for c in columns)) for k in range(len(leaves))]
-    return copy, states
+    if not all(isinstance(field, torch.Tensor) and field.shape == flat.shape for field in flat_state):
+        return copy, list(config.outer.init(copy))  # e.g. a step count per parameter
+    columns = [_views(field, leaves) for field in flat_state]
+    return copy, [type(flat_state)(*(column[k] for column in columns)) for k in range(len(leaves))]
 
 
 def flat_base(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -110,13 +108,11 @@ def _tile_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def flat_state(states: Sequence[NamedTuple]) -> NamedTuple | None:
     """The per-leaf ``states`` as one state of their buffers (each field's views
-    tiling one buffer, or ``None`` throughout), or ``None`` when they are not."""
+    tiling one buffer), or ``None`` when they are not (a field that is ``None``, such
+    as a momentum buffer not made yet, takes the per-leaf path)."""
     fields = []
     for column in zip(*states):
-        if not any(map(operator.is_not, column, repeat(None))):
-            fields.append(None)
-            continue
-        base = flat_base(column)
+        base = flat_base(column)  # None for a column holding None
         if base is None:
             return None
         fields.append(base)
@@ -158,7 +154,7 @@ def step_flat(config: OuterConfig, global_flat: torch.Tensor, pseudo: torch.Tens
             return
         (stepped,) = config.outer.update_([global_flat], [pseudo], [state])
         for old, new in zip(state, stepped):
-            if new is not old and isinstance(new, torch.Tensor):
+            if new is not old:
                 old.copy_(new)
 
 

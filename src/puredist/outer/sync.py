@@ -94,7 +94,7 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
             globals_ = [state.global_params[i] for i in indices]
             # real ranks average any tensor (simulated ones need the replica axis leading)
             flat = flat_base(globals_) if isinstance(collective, DistributedCollective) else None
-            if flat is not None:  # one new buffer, averaged as one tensor; the state carries its views
+            if flat is not None:  # the fragment's own buffer, averaged as one tensor; the state carries its views
                 pseudo_flat, pseudo = flat_pseudo_gradient(flat, globals_, locals_)
                 sent = checked([pseudo_flat])
             else:
@@ -122,21 +122,19 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     targets = [global_params[i] for i in indices]
     fast = config.same_place and leaves.layout.plain
     first = is_first_sync(config, item.fragment, item.apply_step - config.delay)
-    if fast and _applied_flat(config, targets, [outer_state[i] for i in indices], item.pseudo_grads, first):
+    if not (fast and _applied_flat(config, targets, [outer_state[i] for i in indices], item.pseudo_grads, first)):
+        grads = list(item.pseudo_grads) if fast else fetched(item.pseudo_grads, targets)
         with torch.no_grad():
-            _write_back_fast([leaves[i] for i in indices], targets, item.snapshot)
-        return
-    grads = list(item.pseudo_grads) if fast else fetched(item.pseudo_grads, targets)
+            if first:
+                # the fragment's first synchronization only establishes the synchronized
+                # point: plain averaging, g - mean(g - l) = mean(l); the outer optimizer
+                # starts from there (else all of warm-up would be one outer step)
+                torch._foreach_sub_(targets, grads)
+            else:
+                stepped = config.outer.update_(targets, grads, [outer_state[i] for i in indices])
+                for k, i in enumerate(indices):
+                    outer_state[i] = stepped[k]
     with torch.no_grad():
-        if first:
-            # the fragment's first synchronization only establishes the synchronized
-            # point: plain averaging, g - mean(g - l) = mean(l); the outer optimizer
-            # starts from there (else all of warm-up would be one outer step)
-            torch._foreach_sub_(targets, grads)
-        else:
-            stepped = config.outer.update_(targets, grads, [outer_state[i] for i in indices])
-            for k, i in enumerate(indices):
-                outer_state[i] = stepped[k]
         if fast:
             _write_back_fast([leaves[i] for i in indices], targets, item.snapshot)
         else:
