@@ -31,7 +31,7 @@ upstream: install
 	$(PY) upstream/run.py
 
 # the API reference from the docstrings, offline; a type annotation pdoc cannot resolve is an error
-DOCS_MODULES := puredist puredist.averaging puredist.collectives puredist.compression puredist.optim puredist.outer puredist.replicas puredist.schedules puredist.sharding puredist.zero_sharded puredist.classic puredist.tree puredist.testing
+DOCS_MODULES := puredist puredist.averaging puredist.collectives puredist.compression puredist.optim puredist.outer puredist.replicas puredist.schedules puredist.sharding puredist.zero_sharded puredist.classic puredist.tree puredist.testing puredist.ft
 docs: install
 	$(PY) -W "error::UserWarning:pdoc.doc_types" -m pdoc -o out/docs $(DOCS_MODULES)
 

@@ -1,0 +1,256 @@
+"""The mean over the replica groups of a torchft ``Manager``'s quorum, as a
+:class:`~puredist.Collective`.
+
+Each reduction (:meth:`ManagerCollective.mean_`, :meth:`ManagerCollective.check_replicated`)
+is one torchft step: a new quorum (``start_quorum``: membership may change between
+reductions, a replica that is behind heals from a peer), a rank check, the
+all-reduce, and the replica groups' vote (``should_commit``). The tensors are written
+only once the vote commits, so a replica that dies, a timeout or a vote against leave
+every tensor as it was and raise :class:`~puredist.CollectiveError` (nothing
+changed): the failure contract of :class:`~puredist.DistributedCollective`.
+
+The mean is over the replicas that *contribute*: a replica that has just healed
+(its tensors are stale) takes part in the all-reduce with zeros and is left out of
+the divisor. How many contribute travels in the rank check, a small float64
+all-reduce of ``[w, w*h1, w*h1**2, w*h2, w*h2**2]`` (``w`` 1 for a contributor, 0
+otherwise; ``h1``, ``h2`` two 20-bit digests of the layouts and the context): the
+replicas agree iff ``c * sum(h**2) == sum(h)**2`` for both digests (equality in
+Cauchy-Schwarz), which every replica computes from the same sums, so all raise
+:class:`~puredist.RankMismatchError` together, before the data travels.
+
+This module must not decide what to do after a failure or a heal (that is the
+caller's: :class:`puredist.ft.FaultTolerantOuter` for DiLoCo), nor create managers
+(:mod:`puredist.ft.setup`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+from torch.distributed import ReduceOp
+
+from puredist._consistency import RankMismatchError, _value_digest
+from puredist._inputs import checked, checked_for_reduction
+from puredist._staged import CollectiveError, CollectiveHandle, nothing_changed
+from puredist.collectives import divides_first
+
+__all__ = ["Healed", "ManagerCollective"]
+
+_DIGEST_BITS = 20
+"""Each digest's width: ``c * h**2`` stays exact in float64 for up to 2**13 replicas."""
+
+
+class Healed(Exception):
+    """Raised by a :class:`ManagerCollective` built with ``restart_on_heal=True`` when
+    the quorum it started healed this replica (the manager has called the
+    registered ``load_state_dict`` functions): nothing was reduced, and the quorum
+    stays open for the caller's next reduction, which this replica joins with zeros
+    (it must be the reduction its peers are running)."""
+
+
+def _digests(text: str) -> tuple[int, int]:
+    """Two 20-bit digests of ``text``."""
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    mask = (1 << _DIGEST_BITS) - 1
+    return value & mask, (value >> _DIGEST_BITS) & mask
+
+
+class ManagerCollective:
+    """Mean over the replica groups in a torchft ``Manager``'s quorum (see the module
+    docstring).
+
+    Args:
+        manager: a ``torchft.manager.Manager`` built with ``use_async_quorum=False``
+            (a replica heals inside ``start_quorum``, before its tensors are read) and
+            ``init_sync=False`` (the initial parameters are checked, not copied: see
+            :func:`puredist.ft.replica_manager`). Every process of a replica group
+            passes the same tensors; the mean is over the groups.
+        restart_on_heal: raise :class:`Healed` when a quorum heals this replica,
+            instead of reducing its (stale) tensors with zeros.
+
+    Unlike :class:`~puredist.DistributedCollective`, it stages the whole call at
+    once (memory: the tensors' size, one buffer per device and dtype) and always
+    averages over the whole quorum (``group_sizes`` is ``(world_size,)``).
+    """
+
+    def __init__(self, manager, *, restart_on_heal: bool = False) -> None:
+        self.manager = manager
+        self.restart_on_heal = restart_on_heal
+        self._quorum_open = False  # a heal left the quorum open for the next reduction
+        self._joining = False  # this replica contributes zeros to the next reduction
+        self._world_size = 0
+
+    @property
+    def world_size(self) -> int:
+        """The replicas that contributed to the last reduction (0 before the first)."""
+        return self._world_size
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        return (self._world_size,)
+
+    @property
+    def is_member(self) -> bool:
+        return True
+
+    def mean_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        group_size: int | None = None,
+        async_op: bool = False,
+        context: str = "",
+    ) -> CollectiveHandle | None:
+        """Replace each tensor, in place, by its mean over the contributing replicas.
+
+        Args:
+            tensors: as :meth:`puredist.DistributedCollective.mean_`'s.
+            group_size: ``None`` (the whole quorum; its size is known only once it
+                forms).
+            async_op: accepted for the protocol; the reduction completes before
+                this returns, and the handle returned is complete.
+            context: more that must be equal on every replica (schedule and step).
+
+        Returns:
+            ``None``, or a completed handle when ``async_op``.
+
+        Raises:
+            TypeError, ValueError: a tensor that cannot be averaged, a ``group_size``
+                — before anything is communicated.
+            Healed: the quorum healed this replica (``restart_on_heal`` only).
+            RankMismatchError: on every replica, when they pass different layouts or
+                contexts; nothing is changed.
+            CollectiveError: the quorum, the all-reduce or the vote failed; nothing is
+                changed.
+        """
+        given = checked(tensors)
+        if group_size is not None:
+            raise ValueError(
+                f"Arg ``group_size`` {group_size}: a torchft quorum averages over all its replicas (None); its "
+                "size changes between reductions."
+            )
+        what = "Averaging over a torchft quorum"
+        self._reduce(given, given.reduced, what, f"{given.layout.summary(given)} {context}", write_back=True)
+        return CollectiveHandle() if async_op else None
+
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """New tensors holding the means (see :meth:`mean_`); ``tensors`` are only
+        read. Not recorded by autograd: a fault-tolerant synchronization runs
+        eagerly."""
+        checked_for_reduction(tensors, in_place=False)
+        with torch.no_grad():
+            copies = [t.detach().clone() for t in tensors]
+        self.mean_(copies, group_size=group_size, context=context)
+        return copies
+
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
+        """Raise :class:`~puredist.RankMismatchError` on every replica unless every
+        contributing replica holds the same values (a digest of each tensor's bytes,
+        with ``context``, through the rank check's all-reduce).
+
+        Raises:
+            Healed, CollectiveError: as :meth:`mean_`.
+        """
+        given = checked(tensors)
+        digest = " ".join(str(_value_digest(t)) for t in given.reduced)
+        self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
+
+    def _reduce(self, given, reduced: list[torch.Tensor], what: str, agreed: str, *, write_back: bool) -> None:
+        """One torchft step: quorum, rank check on ``agreed``, all-reduce of
+        ``reduced``, vote; write the means back only if it commits."""
+        self._start_quorum(given, what)
+        joining, self._joining = self._joining, False
+        device = reduced[0].device if reduced else torch.device("cpu")
+        contributors = self._check(given, agreed, joining, device, what)
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(reduced):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        buffers = []
+        for indices in groups.values():
+            parts = [reduced[i].reshape(-1) for i in indices]
+            buffer = torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
+            if not joining:
+                torch.cat(parts, out=buffer)
+                if divides_first(buffer.dtype):
+                    buffer.div_(contributors)
+            buffers.append(buffer)
+        self._all_reduce(buffers, given, what)
+        self._commit(given, what)
+        if not write_back:
+            return
+        for buffer, indices in zip(buffers, groups.values()):
+            if not divides_first(buffer.dtype):
+                buffer.div_(contributors)
+            targets = [reduced[i] for i in indices]
+            views = buffer.split([t.numel() for t in targets])
+            torch._foreach_copy_(targets, [v.view(t.shape) for v, t in zip(views, targets)])
+
+    def _start_quorum(self, given, what: str) -> None:
+        """Start this reduction's quorum (unless a heal left one open); where it heals
+        this replica, contribute zeros, or raise :class:`Healed`."""
+        if self._quorum_open:
+            self._quorum_open = False
+            return
+        before = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as cause:  # noqa: BLE001 - the quorum's error (a timeout), with what it left: nothing
+            raise nothing_changed(given, what, cause) from cause
+        if self.manager.current_step() != before:  # healed: the manager took a peer's step and state
+            self._joining = True
+            if self.restart_on_heal:
+                self._quorum_open = True
+                raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
+
+    def _check(self, given, agreed: str, joining: bool, device: torch.device, what: str) -> int:
+        """The rank check: how many replicas contribute, once all agree on ``agreed``."""
+        h1, h2 = _digests(agreed)
+        weight = 0.0 if joining else 1.0
+        row = torch.tensor([weight, weight * h1, weight * h1 * h1, weight * h2, weight * h2 * h2],
+                           dtype=torch.float64, device=device)
+        self._all_reduce([row], given, what)
+        if self.manager.errored() is not None:
+            self._commit(given, what)  # votes against, and raises
+        count, s1, q1, s2, q2 = (int(v) for v in row.tolist())
+        if count < 1 or count * q1 != s1 * s1 or count * q2 != s2 * s2:
+            reason = ("no replica contributes (every one is healing)" if count < 1 else
+                      "the replicas passed different tensor layouts or contexts")
+            error = RankMismatchError(f"{what} at torchft step {self.manager.current_step()}: {reason}; nothing was "
+                                      "changed.", layouts_differ=count >= 1)
+            self.manager.report_error(error)
+            self._vote()
+            raise error
+        self._world_size = count
+        return count
+
+    def _all_reduce(self, buffers: list[torch.Tensor], given, what: str) -> None:
+        """Sum ``buffers`` over the quorum (a replica outside it sends zeros: torchft's
+        own rule); torchft records a failure instead of raising it, for the vote."""
+        try:
+            works = [self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM) for buffer in buffers]
+            for work in works:
+                work.wait()
+        except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
+            self.manager.report_error(cause)
+
+    def _vote(self) -> bool:
+        try:
+            return self.manager.should_commit()
+        except Exception as cause:  # noqa: BLE001 - torchft's max_retries
+            self.manager.report_error(cause)
+            return False
+
+    def _commit(self, given, what: str) -> None:
+        """Raise :class:`~puredist.CollectiveError` (nothing changed) unless the replica
+        groups commit this step (an error recorded votes against)."""
+        if self._vote():
+            return
+        error = self.manager.errored()
+        cause = error.original_exception if error is not None else RuntimeError(
+            "the replica groups voted not to commit (fewer replicas than min_replica_size, or an error elsewhere)"
+        )
+        raise nothing_changed(given, what, cause) from cause

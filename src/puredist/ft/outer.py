@@ -1,0 +1,120 @@
+"""Fault-tolerant DiLoCo: an outer-optimization transform whose synchronizations run
+over a torchft quorum (:class:`~puredist.ft.ManagerCollective`).
+
+The transform is unchanged; this module adds what a replica group does around its
+``update_``:
+
+- it serves the state it passes in (step, global copy, outer state, residuals: the
+  transform's ``state_dict``) to a peer that heals in that synchronization's quorum;
+- where the quorum heals *this* replica (it restarted, or missed a commit), it takes
+  the peer's state (``load_state_dict``, checked), writes the global copy into its
+  parameters, and runs the same synchronization again from there, contributing
+  zeros: it ends equal to its peers, bit for bit;
+- where a synchronization fails (a replica died in it, a timeout, a vote against),
+  nothing was applied: it returns the state it was given, and the next ``update_``
+  with it synchronizes again, over the quorum of then.
+
+This module must not reduce tensors (the collective does) nor start processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from puredist._staged import CollectiveError
+from puredist.averaging import _float_leaves
+from puredist.ft.collective import Healed, ManagerCollective
+from puredist.outer.state import OuterState, OuterTransform
+from puredist.tree import PyTree
+
+__all__ = ["FaultTolerantOuter"]
+
+
+class FaultTolerantOuter:
+    """An outer-optimization transform's ``update_`` over a torchft ``Manager`` (see
+    the module docstring).
+
+    Args:
+        transform: from :func:`puredist.outer_optimizer`, synchronous (``delay=0``),
+            without lower levels or a compressor.
+        manager: this replica group's ``torchft.manager.Manager``, as
+            :func:`puredist.ft.replica_manager` builds it.
+        key: the name its state is registered under with the manager.
+
+    Attributes:
+        collective: the :class:`~puredist.ft.ManagerCollective` it synchronizes over.
+        failed: synchronizations that failed (nothing applied; each is run again).
+        heals: times this replica took a peer's state.
+        last_error: the last failure's error (``None``: none yet).
+
+    Raises:
+        ValueError: a transform with a delay, lower levels or a compressor.
+    """
+
+    def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
+        config = transform.update.args[0]  # (puredist._bound: the transform's options)
+        if config.delay or config.lower_sizes or config.compressor is not None:
+            raise ValueError(
+                f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous, uncompressed and "
+                "at one level (delay=0, no lower_levels, no compressor): a delayed or compressed one keeps per-rank "
+                "state that a healing peer cannot hand over."
+            )
+        self.transform = transform
+        self.manager = manager
+        self.collective = ManagerCollective(manager, restart_on_heal=True)
+        self.failed = 0
+        self.heals = 0
+        self.last_error: BaseException | None = None
+        self._serving: OuterState | None = None
+        self._received: dict[str, Any] | None = None
+        manager.register_state_dict_fn(key, self._receive, self._serve)
+
+    def _serve(self) -> dict[str, Any]:
+        """What a healing peer receives: the state of the synchronization running."""
+        if self._serving is None:
+            raise RuntimeError("A peer asked for this replica's state before its first update_.")
+        return self.transform.state_dict(self._serving, rank=0)
+
+    def _receive(self, saved: dict[str, Any]) -> None:
+        self._received = saved
+
+    def update_(self, params: PyTree, state: OuterState) -> OuterState:
+        """``transform.update_(params, state, collective=self.collective)``, tolerant of
+        faults: returns the new state; where the synchronization failed, ``state``
+        itself (nothing applied, ``failed`` counts it); where this replica healed,
+        the state its peers reach in this synchronization (and ``params`` hold its
+        global copy, updated in place).
+
+        Raises:
+            RankMismatchError: the replicas passed different layouts or contexts.
+            ValueError, TypeError: as the transform's ``update_``.
+        """
+        self._serving = state
+        try:
+            return self.transform.update_(params, state, collective=self.collective)
+        except Healed:
+            return self._rejoin(params, state)
+        except CollectiveError as error:
+            return self._failed(error, state)
+
+    def _rejoin(self, params: PyTree, state: OuterState) -> OuterState:
+        """Take the peer's state received in this quorum, write its global copy into
+        ``params`` and run the peers' synchronization from it."""
+        healed = self.transform.load_state_dict(state, self._received, rank=0)
+        self._received = None
+        self.heals += 1
+        leaves, _ = _float_leaves(params, in_place=True)
+        with torch.no_grad():
+            torch._foreach_copy_(list(leaves), list(healed.global_params))
+        self._serving = healed
+        try:
+            return self.transform.update_(params, healed, collective=self.collective)
+        except CollectiveError as error:
+            return self._failed(error, healed)
+
+    def _failed(self, error: CollectiveError, state: OuterState) -> OuterState:
+        self.failed += 1
+        self.last_error = error
+        return state

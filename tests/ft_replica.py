@@ -1,0 +1,102 @@
+"""One replica group (one process) of the fault-tolerance tests: DiLoCo over a torchft
+quorum, started by ``tests/test_ft.py`` as ``python tests/ft_replica.py SPEC_JSON``.
+
+The replica trains a small model with a deterministic local step (a function of its
+index, the step and its parameters, so that a one-process simulation can replay it),
+synchronizes with :class:`puredist.ft.FaultTolerantOuter`, and saves what it ends
+with (step, global copy, outer state, counters) to ``spec["out"]``. Faults are
+injected here, as the spec says: exit before a step (``die_at``), exit inside the
+data all-reduce of a synchronization (``die_in_reduction``), or sleep before one
+(``slow_at``). Every failed synchronization is checked to have changed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+import puredist
+from puredist.ft import FaultTolerantOuter, replica_manager
+
+SYNC_EVERY = 3
+
+
+def make_params() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(6, 4, generator=generator), "b": torch.randn(4, generator=generator)}
+
+
+def make_transform():
+    return puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=SYNC_EVERY)
+
+
+def local_step(params, replica: int, step: int) -> None:
+    """A deterministic inner step: each replica pulls its parameters its own way."""
+    with torch.no_grad():
+        for leaf in params.values():
+            leaf.sub_(0.05 * torch.sin(leaf * (replica + 1) + step))
+
+
+def _snapshot(state) -> list[torch.Tensor]:
+    return [t.clone() for t in state.global_params] + [t.clone() for s in state.outer_state for t in s]
+
+
+def main(spec: dict) -> None:
+    torch.set_num_threads(1)
+    store = torch.distributed.TCPStore("127.0.0.1", spec["port"], is_master=False, timeout=timedelta(seconds=60))
+    manager = replica_manager(spec["id"], spec["lighthouse"], min_replicas=1, timeout=timedelta(seconds=spec["timeout"]),
+                              quorum_timeout=timedelta(seconds=60))
+    reductions = 0
+    allreduce = manager.allreduce
+
+    def counted_allreduce(tensor, **kwargs):  # the rank check is a reduction's first all-reduce, the data its second
+        nonlocal reductions
+        reductions += 1
+        if reductions == spec.get("die_in_reduction"):
+            os._exit(3)
+        return allreduce(tensor, **kwargs)
+
+    manager.allreduce = counted_allreduce
+    transform = make_transform()
+    ft = FaultTolerantOuter(transform, manager)
+    params = make_params()
+    state = transform.init(params)
+    store.add(f"up.{spec['id']}", 1)
+    for key in spec.get("wait_for", []):  # the others' managers are up: the first quorum takes every replica
+        store.wait([key])
+    failures_changed_nothing = True
+    worlds = []
+    while state.step < spec["steps"]:
+        step = state.step
+        if step == spec.get("die_at"):
+            os._exit(3)
+        if step == spec.get("pause_at"):  # hold until the restarted replica is up
+            store.wait([spec["pause_until"]])
+        if step == spec.get("slow_at"):
+            time.sleep(spec["slow_s"])
+        local_step(params, spec["index"], step)
+        before = _snapshot(state)
+        new = ft.update_(params, state)
+        if new is state:
+            failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
+        else:
+            worlds.append(ft.collective.world_size)
+        state = new
+    torch.save({
+        "step": state.step, "global": list(state.global_params), "outer": _snapshot(state)[len(state.global_params):],
+        "params": dict(params), "failed": ft.failed, "heals": ft.heals, "worlds": worlds,
+        "failures_changed_nothing": failures_changed_nothing,
+        "last_error": repr(ft.last_error) if ft.last_error is not None else None,
+    }, spec["out"])
+    store.add(f"done.{spec['id']}", 1)
+    store.wait([f"done.{other}" for other in spec.get("finish_with", [])])  # no peer leaves mid-synchronization
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,154 @@
+"""Fault-tolerant DiLoCo over torchft, with a real lighthouse and replica groups as
+processes (``tests/ft_replica.py``): the synchronizations against a one-process
+simulation, a slow replica, replicas killed between and inside synchronizations,
+and a restarted replica healing to its peer's state bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import puredist
+
+os.environ.setdefault("RUST_LOG", "error")  # torchft's lighthouse logs every quorum otherwise
+torchft = pytest.importorskip("torchft")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+from puredist.ft import FaultTolerantOuter, ManagerCollective  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ft_replica  # noqa: E402
+
+REPLICA = str(Path(__file__).parent / "ft_replica.py")
+JOB_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def lighthouse():
+    # join_timeout: how long a quorum waits for a replica that heartbeats but has not asked; beyond the time
+    # between two synchronizations, so that a restarted replica waits for its peers instead of going alone
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=1000)
+    yield server.address()
+    server.shutdown()
+
+
+@pytest.fixture
+def store():
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+class Replicas:
+    """Replica processes of one test, each started from a spec; ``results`` waits for them."""
+
+    def __init__(self, lighthouse: str, store, folder: Path) -> None:
+        self.base = {"lighthouse": lighthouse, "port": store.port, "timeout": 5, "steps": 24}
+        self.folder = folder
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, index: int, **spec) -> None:
+        spec = {**self.base, "id": name, "index": index, "out": str(self.folder / f"{name}.pt"), **spec}
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
+        self.processes[name] = subprocess.Popen([sys.executable, REPLICA, json.dumps(spec)], env=env,
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait(self, name: str) -> int:
+        try:
+            return self.processes[name].wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"replica {name} did not finish in {JOB_TIMEOUT_S} s") from None
+
+    def result(self, name: str) -> dict:
+        code = self.wait(name)
+        error = self.processes[name].stderr.read().decode()[-3000:]
+        assert code == 0, f"replica {name} exited with {code}:\n{error}"
+        return torch.load(self.folder / f"{name}.pt")
+
+    def kill(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+
+
+@pytest.fixture
+def replicas(lighthouse, store, tmp_path):
+    group = Replicas(lighthouse, store, tmp_path)
+    yield group
+    group.kill()
+
+
+def simulated(steps: int, replicas: int) -> puredist.OuterState:
+    """The oracle: the same training with every replica in this process
+    (:class:`puredist.SimulatedCollective`, a leading replica axis)."""
+    transform = ft_replica.make_transform()
+    params = {k: v.unsqueeze(0).repeat(replicas, *[1] * v.dim()) for k, v in ft_replica.make_params().items()}
+    state = transform.init(params)
+    collective = puredist.SimulatedCollective(replicas)
+    for step in range(steps):
+        for r in range(replicas):
+            view = {k: v[r] for k, v in params.items()}
+            ft_replica.local_step(view, r, step)
+        state = transform.update_(params, state, collective=collective)
+    return state
+
+
+def test_replicas_synchronize_as_the_simulation_and_a_slow_one_is_waited_for(replicas):
+    replicas.start("a", 0, wait_for=["up.b"], finish_with=["b"])
+    replicas.start("b", 1, wait_for=["up.a"], finish_with=["a"], slow_at=7, slow_s=2.0)  # alive, 2 s late
+    a, b = replicas.result("a"), replicas.result("b")
+    oracle = simulated(24, 2)
+    for result in (a, b):
+        assert result["step"] == 24 and result["failed"] == 0 and result["heals"] == 0
+        assert set(result["worlds"]) == {2}
+        for mine, expected in zip(result["global"], oracle.global_params):
+            torch.testing.assert_close(mine, expected[0], rtol=0, atol=0)  # the global copy is replicated
+    assert all(torch.equal(x, y) for x, y in zip(a["outer"], b["outer"]))
+
+
+def test_a_replica_killed_between_synchronizations_leaves_the_other_going_and_rejoins_bit_for_bit(replicas):
+    replicas.start("a", 0, wait_for=["up.b"], pause_at=13, pause_until="up.b2", finish_with=["b2"], steps=30)
+    replicas.start("b", 1, wait_for=["up.a"], die_at=7)  # after the synchronization at step 6, before the next
+    assert replicas.wait("b") == 3
+    replicas.start("b2", 1, finish_with=["a"], steps=30)  # restarted: heals from a at a's next synchronization
+    a, b = replicas.result("a"), replicas.result("b2")
+    assert a["failed"] == 0  # a's next synchronization formed its quorum without b: nothing failed
+    assert 1 in a["worlds"] and a["worlds"][-1] == 2  # alone, then with the restarted replica
+    assert b["heals"] == 1
+    assert b["worlds"][0] == 1 and b["worlds"][-1] == 2  # it healed in a synchronization it added nothing to
+    assert a["step"] == b["step"] == 30
+    assert all(torch.equal(x, y) for x, y in zip(a["global"], b["global"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["outer"], b["outer"]))
+
+
+def test_a_replica_killed_inside_a_synchronization_changes_nothing_on_the_survivor(replicas):
+    # all-reduces: 1 = the initial check; then two per synchronization (rank check, data): 5 is the data
+    # all-reduce of the synchronization at step 6 (the second)
+    replicas.start("a", 0, wait_for=["up.b"])
+    replicas.start("b", 1, wait_for=["up.a"], die_in_reduction=5)
+    assert replicas.wait("b") == 3
+    a = replicas.result("a")
+    assert a["failed"] >= 1 and a["failures_changed_nothing"], a["last_error"]
+    assert "CollectiveError" in a["last_error"] and "No tensor holds a partial result" in a["last_error"]
+    assert a["step"] == 24 and a["worlds"][0] == 2 and a["worlds"][-1] == 1
+
+
+def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
+    for options in ({"delay": 1}, {"compressor": puredist.int8_blocks(64)}, {"lower_levels": {2: 1}}):
+        transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)
+        with pytest.raises(ValueError, match="delay=0, no lower_levels, no compressor"):
+            FaultTolerantOuter(transform, manager=None)
+
+
+def test_manager_collective_refuses_a_group_size_before_communicating():
+    collective = ManagerCollective(manager=None)  # no manager call is made before the refusal
+    with pytest.raises(ValueError, match="``group_size`` 2"):
+        collective.mean_([torch.ones(3)], group_size=2)
+    with pytest.raises(TypeError):
+        collective.mean_([torch.ones(3, dtype=torch.int64)])
