@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 import puredist
-from puredist.ft import FaultTolerantOuter, replica_manager
+from puredist.ft import FaultTolerantOuter, ManagerCollective, replica_manager
 
 SYNC_EVERY = 3
 
@@ -62,13 +62,36 @@ def main(spec: dict) -> None:
         return allreduce(tensor, **kwargs)
 
     manager.allreduce = counted_allreduce
+    store.add(f"up.{spec['id']}", 1)
+    for key in spec.get("wait_for", []):  # the others' managers are up: the first quorum takes every replica
+        store.wait([key])
+    if "context" in spec:  # one averaging, with this replica's context
+        mean_with_context(manager, spec)
+    else:
+        train(manager, store, spec)
+    store.add(f"done.{spec['id']}", 1)
+    store.wait([f"done.{other}" for other in spec.get("finish_with", [])])  # no peer leaves mid-synchronization
+    manager.shutdown(wait=False)
+
+
+def mean_with_context(manager, spec: dict) -> None:
+    """Average ``[index + 1] * 4`` with ``spec["context"]``; save whether it raised
+    ``RankMismatchError`` and what the tensor holds after."""
+    tensor = torch.full((4,), float(spec["index"] + 1))
+    try:
+        ManagerCollective(manager).mean_([tensor], context=spec["context"])
+        raised = None
+    except puredist.RankMismatchError as error:
+        raised = str(error)
+    torch.save({"raised": raised, "tensor": tensor}, spec["out"])
+
+
+def train(manager, store, spec: dict) -> None:
+    """DiLoCo with the spec's faults; save what it ends with."""
     transform = make_transform()
     ft = FaultTolerantOuter(transform, manager)
     params = make_params()
     state = transform.init(params)
-    store.add(f"up.{spec['id']}", 1)
-    for key in spec.get("wait_for", []):  # the others' managers are up: the first quorum takes every replica
-        store.wait([key])
     failures_changed_nothing = True
     worlds = []
     while state.step < spec["steps"]:
@@ -93,9 +116,6 @@ def main(spec: dict) -> None:
         "failures_changed_nothing": failures_changed_nothing,
         "last_error": repr(ft.last_error) if ft.last_error is not None else None,
     }, spec["out"])
-    store.add(f"done.{spec['id']}", 1)
-    store.wait([f"done.{other}" for other in spec.get("finish_with", [])])  # no peer leaves mid-synchronization
-    manager.shutdown(wait=False)
 
 
 if __name__ == "__main__":

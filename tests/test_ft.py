@@ -139,6 +139,19 @@ def test_a_replica_killed_inside_a_synchronization_changes_nothing_on_the_surviv
     assert a["step"] == 24 and a["worlds"][0] == 2 and a["worlds"][-1] == 1
 
 
+@pytest.mark.parametrize("contexts", [("step 3", "step 3"), ("step 3", "step 4")])
+def test_replicas_average_or_all_refuse_a_mismatch_before_the_data_travels(replicas, contexts):
+    for i, context in enumerate(contexts):
+        replicas.start(f"r{i}", i, context=context, wait_for=[f"up.r{1 - i}"], finish_with=[f"r{1 - i}"])
+    results = [replicas.result(f"r{i}") for i in range(2)]
+    if contexts[0] == contexts[1]:  # the mean of 1 and 2
+        assert all(r["raised"] is None and torch.equal(r["tensor"], torch.full((4,), 1.5)) for r in results)
+    else:  # both raise, neither tensor changes
+        for i, r in enumerate(results):
+            assert "the replicas passed different tensor layouts or contexts" in r["raised"]
+            assert torch.equal(r["tensor"], torch.full((4,), float(i + 1)))
+
+
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
     for options in ({"delay": 1}, {"compressor": puredist.int8_blocks(64)}, {"lower_levels": {2: 1}}):
         transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)

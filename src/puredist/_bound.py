@@ -20,3 +20,8 @@ def bound(function: Callable, first: object) -> Callable:
     partial = functools.partial(function, first)
     partial.__name__, partial.__doc__ = function.__name__, function.__doc__
     return partial
+
+
+def options_of(function: Callable) -> object:
+    """The options a function made by :func:`bound` was bound to (its first argument)."""
+    return function.args[0]

@@ -164,7 +164,7 @@ class ManagerCollective:
         ``reduced``, vote; write the means back only if it commits."""
         self._start_quorum(given, what)
         joining, self._joining = self._joining, False
-        device = reduced[0].device if reduced else torch.device("cpu")
+        device = given.reduced[0].device if given.reduced else torch.device("cpu")  # (the check's, too)
         contributors = self._check(given, agreed, joining, device, what)
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(reduced):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from puredist._bound import options_of
 from puredist._staged import CollectiveError
 from puredist.averaging import _float_leaves
 from puredist.ft.collective import Healed, ManagerCollective
@@ -54,7 +55,7 @@ class FaultTolerantOuter:
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
-        config = transform.update.args[0]  # (puredist._bound: the transform's options)
+        config = options_of(transform.update)
         if config.delay or config.lower_sizes or config.compressor is not None:
             raise ValueError(
                 f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous, uncompressed and "
@@ -92,16 +93,19 @@ class FaultTolerantOuter:
             ValueError, TypeError: as the transform's ``update_``.
         """
         self._serving = state
-        try:
-            return self.transform.update_(params, state, collective=self.collective)
-        except Healed:
-            return self._rejoin(params, state)
-        except CollectiveError as error:
-            return self._failed(error, state)
+        while True:
+            try:
+                return self.transform.update_(params, state, collective=self.collective)
+            except Healed:  # nothing applied: run the peers' synchronization from their state
+                state = self._healed(params, state)
+            except CollectiveError as error:  # nothing applied
+                self.failed += 1
+                self.last_error = error
+                return state
 
-    def _rejoin(self, params: PyTree, state: OuterState) -> OuterState:
-        """Take the peer's state received in this quorum, write its global copy into
-        ``params`` and run the peers' synchronization from it."""
+    def _healed(self, params: PyTree, state: OuterState) -> OuterState:
+        """The peer's state received in this quorum (checked against ``state``), its
+        global copy written into ``params``; served from now on."""
         healed = self.transform.load_state_dict(state, self._received, rank=0)
         self._received = None
         self.heals += 1
@@ -109,12 +113,4 @@ class FaultTolerantOuter:
         with torch.no_grad():
             torch._foreach_copy_(list(leaves), list(healed.global_params))
         self._serving = healed
-        try:
-            return self.transform.update_(params, healed, collective=self.collective)
-        except CollectiveError as error:
-            return self._failed(error, healed)
-
-    def _failed(self, error: CollectiveError, state: OuterState) -> OuterState:
-        self.failed += 1
-        self.last_error = error
-        return state
+        return healed
