@@ -27,7 +27,8 @@ def tiny_run(tmp_path_factory):
     return done, out
 
 
-ALGORITHMS = ["ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk"]
+ALGORITHMS = ["ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk",
+              "diloco_ft"]
 
 
 def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
@@ -72,6 +73,11 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     # int8, 4-bit, top-1 %: less and less (the rest is fixed overhead)
     sent = [runs[a]["bytes_per_worker"] for a in ("diloco", "diloco_int8", "diloco_int4", "diloco_topk")]
     assert sent == sorted(sent, reverse=True) and len(set(sent)) == 4
+    # over torchft: the same synchronizations, with the quorums' and heartbeats' bytes instead of the rank checks'
+    assert 0.7 < runs["diloco_ft"]["bytes_per_worker"] / runs["diloco"]["bytes_per_worker"] < 1.5
+    # and without a fault the same training: the same model, up to the order of the sums
+    assert runs["diloco_ft"]["eval_loss"] == pytest.approx(runs["diloco"]["eval_loss"], rel=1e-3)
+    assert runs["diloco_ft"]["faults"] == {} and runs["diloco_ft"]["failed_syncs"] == 0
 
 
 def test_the_projection_follows_the_network_model(tiny_run):
@@ -196,6 +202,27 @@ def _session_processes(session_id):
             if int(fields[3]) == session_id and fields[0] != "Z":
                 alive.append(int(entry))
     return alive
+
+
+def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends(tmp_path):
+    done = subprocess.run(
+        [*DEMO, "--world-size", "3", "--steps", "60", "--algorithms", "diloco,diloco_ft", "--kill-worker", "30",
+         "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    runs = json.loads((tmp_path / "results.json").read_text())["algorithms"]
+    faults = runs["diloco_ft"]["faults"]
+    assert faults["killed"] == {"worker": 2, "step": 30, "last_commit_step": faults["killed"]["last_commit_step"]}
+    # the digits' period is 8 after 16 warm-up steps: its last commit was the synchronization at step 24
+    assert faults["killed"]["last_commit_step"] == 25
+    assert faults["rejoined"]["worker"] == 2 and 30 <= faults["rejoined"]["step"] < 60
+    assert 0 < faults["recovery_s"] < 30 and faults["steps_lost"] == faults["rejoined"]["step"] - 25
+    assert runs["diloco_ft"]["failed_syncs"] == 0  # the kill fell between synchronizations
+    # the run goes on: the model still learns the digits, near the run without a fault
+    assert runs["diloco_ft"]["eval_accuracy"] > 0.8
+    assert runs["diloco_ft"]["eval_loss"] < 1.25 * runs["diloco"]["eval_loss"]
+    assert "FAULTS (fault-tolerant algorithms):" in done.stdout and "worker 2 killed at step 30; rejoined" in done.stdout
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):

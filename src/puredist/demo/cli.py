@@ -21,7 +21,10 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+from puredist.demo.fault_tolerant import FAULT_TOLERANT
 from puredist.demo.training import ALGORITHMS, TASKS
+
+EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
 
 
 def _positive_int(text: str) -> int:
@@ -36,9 +39,11 @@ def _positive_int(text: str) -> int:
 
 def _algorithms(text: str) -> list[str]:
     chosen = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each once
-    unknown = [name for name in chosen if name not in ALGORITHMS]
+    unknown = [name for name in chosen if name not in EVERY_ALGORITHM]
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or [text]}; choose from {', '.join(ALGORITHMS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm(s) {unknown or [text]}; choose from {', '.join(EVERY_ALGORITHM)}"
+        )
     return chosen
 
 
@@ -57,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             "every H), zero (ZeRO optimizer step overlapped with DDP), diloco (outer Nesterov SGD on "
             "bf16 pseudo-gradients every H steps), streaming (DiLoCo in 2 fragments, each applied 2 "
             "steps after it starts), diloco_int8, diloco_int4, diloco_topk (int8, 4-bit, top-1% "
-            "pseudo-gradients with error feedback)."
+            "pseudo-gradients with error feedback), diloco_ft (diloco over torchft, one replica group per worker, "
+            "a lighthouse started here; with --kill-worker a worker is killed, restarts, heals and rejoins)."
         ),
     )
     parser.add_argument("--world-size", type=_positive_int, default=4, help="worker processes (default 4)")
@@ -67,8 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="training steps per algorithm (default: " + ", ".join(f"{t.default_steps} for {t.name}" for t in TASKS.values()) + ")",
     )
     parser.add_argument(
-        "--algorithms", type=_algorithms, default=list(ALGORITHMS),
-        help=f"comma-separated subset of {','.join(ALGORITHMS)} (default: all)",
+        "--algorithms", type=_algorithms, default=None,
+        help=f"comma-separated subset of {','.join(EVERY_ALGORITHM)} (default: all; diloco_ft where torchft is "
+             "installed and the device is cpu)",
+    )
+    parser.add_argument(
+        "--kill-worker", type=_positive_int, default=None, metavar="STEP",
+        help="kill the last worker of every fault-tolerant algorithm (diloco_ft) at this step; it restarts, heals "
+             "from a peer and rejoins",
     )
     parser.add_argument("--output", type=Path, default=None,
                         help="folder for demo.png and results.json (default out/demo, out/demo-lm for --task lm)")
@@ -104,12 +116,34 @@ def _run_config(args: argparse.Namespace, task) -> dict:
 
     return {
         "task": args.task, "steps": args.steps, "seed": args.seed, "world_size": args.world_size,
-        "algorithms": args.algorithms, "device": args.device, "backend": args.backend,
+        "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "period": task.period, "warmup_steps": task.warmup_steps,
         "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": OUTER_OPTIONS,
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
+
+
+def _choose_algorithms(args: argparse.Namespace) -> str | None:
+    """Settle ``args.algorithms`` (the default: every algorithm that runs here); return
+    why the options cannot run, or None."""
+    runs_ft = importlib.util.find_spec("torchft") is not None and args.device == "cpu"
+    if args.algorithms is None:
+        args.algorithms = list(EVERY_ALGORITHM if runs_ft else ALGORITHMS)
+        if not runs_ft:
+            print(f"(not running {', '.join(FAULT_TOLERANT)}: " + ("it trains on the cpu only)" if args.device != "cpu"
+                  else "it needs torchft: pip install 'puredist[ft]')"))
+    fault_tolerant = [a for a in args.algorithms if a in FAULT_TOLERANT]
+    if fault_tolerant and not runs_ft:
+        return (f"--algorithms {','.join(fault_tolerant)} " + ("trains on the cpu only" if args.device != "cpu" else
+                "needs torchft: pip install 'puredist[ft]'"))
+    if args.kill_worker is not None:
+        if not fault_tolerant:
+            return f"--kill-worker {args.kill_worker} kills a worker of a fault-tolerant algorithm: add diloco_ft"
+        if args.world_size < 2 or args.kill_worker > args.steps:
+            return (f"--kill-worker {args.kill_worker} needs a worker that survives (--world-size >= 2, got "
+                    f"{args.world_size}) and a step of the run (--steps {args.steps})")
+    return None
 
 
 def _launch(args: argparse.Namespace) -> dict:
@@ -128,9 +162,19 @@ def _launch(args: argparse.Namespace) -> dict:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    job = {"task": args.task, "steps": args.steps, "algorithms": args.algorithms, "seed": args.seed,
-           "device": args.device, "backend": args.backend}
-    return elastic_launch(config, worker_main)(job)
+    job = {"task": args.task, "steps": args.steps, "seed": args.seed, "device": args.device, "backend": args.backend,
+           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT]}
+    results = elastic_launch(config, worker_main)(job) if job["algorithms"] else {r: {} for r in range(args.world_size)}
+    for algorithm in args.algorithms:
+        if algorithm in FAULT_TOLERANT:
+            from puredist.demo import fault_tolerant
+
+            print(f"  {algorithm:13s} (over torchft" + (f", worker {args.world_size - 1} killed at step "
+                  f"{args.kill_worker})" if args.kill_worker else ")"), flush=True)
+            trained = fault_tolerant.run({**job, "world_size": args.world_size, "kill_step": args.kill_worker})
+            for rank, result in trained.items():
+                results[rank][algorithm] = result
+    return results
 
 
 DEMO_EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
@@ -182,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from puredist.demo.report import plot, projection_table, summarize, table
+    from puredist.demo.report import faults_table, plot, projection_table, summarize, table
 
     task = TASKS[args.task]
     args.steps = args.steps or task.default_steps
@@ -197,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.backend = "cpu:gloo,cuda:nccl" if gpus >= args.world_size else "gloo"
         where = (f"{args.world_size} of {gpus} {torch.cuda.get_device_name(0)} GPUs (NCCL)" if gpus >= args.world_size
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
+    problem = _choose_algorithms(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     print(f"puredist demo: {task.title}; {args.world_size} workers on {where}, {args.steps} steps per algorithm")
     started = time.perf_counter()
     try:
@@ -207,11 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as error:
         print(f"\nerror: a worker failed:\n{error.format_msg()}", file=sys.stderr)
         return 1
+    except (RuntimeError, TimeoutError) as error:  # a fault-tolerant run's worker failed, or the run hung
+        print(f"\nerror: {error}", file=sys.stderr)
+        return 1
     summary = summarize(results, task.name, task.title, _run_config(args, task))
     print()
     print(table(summary))
     print()
     print(projection_table(summary))
+    if any("faults" in row for row in summary["algorithms"].values()):
+        print()
+        print(faults_table(summary))
     (args.output / "results.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output / "demo.png")
     print(f"\nwrote {args.output / 'demo.png'} and {args.output / 'results.json'} "

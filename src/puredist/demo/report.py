@@ -20,7 +20,10 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
     Per algorithm (``"algorithms"``): the averaged model's held-out loss and accuracy
     as evaluated at the end (``eval_loss``, ``eval_accuracy``), the slowest rank's wall
     time, bytes sent per worker (mean and largest), the optimizer state a worker holds
-    (largest), rank 0's curves, the slowest worker's bytes per step, and the network
+    (largest), rank 0's curves, the slowest worker's bytes per step, for a
+    fault-tolerant run its ``faults`` (``killed``: worker and step; ``rejoined``: worker
+    and step, None if it did not; ``recovery_s``; ``steps_lost``) and ``failed_syncs``
+    (the most any worker had), and the network
     model's projection (``steps_to_target``, ``projected_s`` per link: None where the
     target was not reached); ``evaluations`` lists, for each evaluation, its ``step``,
     held-out ``accuracy`` and ``loss``, and the mean ``bytes_per_worker`` sent so far.
@@ -48,6 +51,9 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
             ],
             "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
         }
+        if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
+            runs[algorithm]["faults"] = per_rank[0]["faults"]
+            runs[algorithm]["failed_syncs"] = max(r["failed_syncs"] for r in per_rank)
     compute_s = network.compute_seconds(
         [r[a]["step_seconds"] for r in results.values() for a in r], [r[a]["step_bytes"] for r in results.values() for a in r]
     )
@@ -111,6 +117,29 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def faults_table(summary: dict[str, Any]) -> str:
+    """What the fault-tolerant runs lived through: the worker killed and when, when
+    it rejoined and how long that took, the steps of its work lost, the failed
+    synchronizations, and the held-out loss against the same algorithm without
+    torchft (``diloco``) where it ran."""
+    runs = summary["algorithms"]
+    lines = ["FAULTS (fault-tolerant algorithms):"]
+    for algorithm, row in runs.items():
+        faults = row.get("faults")
+        if faults is None:
+            continue
+        killed, rejoined = faults.get("killed"), faults.get("rejoined")
+        text = "no worker killed" if killed is None else (
+            f"worker {killed['worker']} killed at step {killed['step']}; "
+            + (f"rejoined at step {rejoined['step']} after {faults['recovery_s']:.1f} s, "
+               f"{faults['steps_lost']} steps of its work lost" if rejoined else "it did not rejoin before the end")
+        )
+        versus = (f"; held-out loss {row['eval_loss'] / runs['diloco']['eval_loss']:.3f}x diloco's"
+                  if "diloco" in runs else "")
+        lines.append(f"{algorithm:14s} {text}; {row['failed_syncs']} failed synchronizations{versus}")
+    return "\n".join(lines)
+
+
 def _size(count: float) -> str:
     return f"{count / 2**10:.1f} KiB" if count < 2**20 else f"{count / 2**20:.2f} MiB"
 
@@ -171,6 +200,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         steps, accuracies, losses, sent = zip(*(tuple(e.values()) for e in row["evaluations"]))
         mib = [b / 2**20 for b in sent]
         axes[0][0].plot(steps, losses, marker="o", markersize=3, **style)
+        killed = (row.get("faults") or {}).get("killed")
+        if killed:
+            axes[0][0].axvline(killed["step"], color="gray", linestyle=":", label=f"{algorithm}: worker killed")
         axes[0][1].plot(mib, losses, marker="o", markersize=3, **style)
         axes[1][0].plot(mib, [100 * a for a in accuracies], marker="o", markersize=3, **style)
         train = row["train_losses"]
