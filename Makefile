@@ -45,6 +45,7 @@ bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 bench_sharded.py
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_host.py
 	cd benchmarks && ../$(PY) bench_optim.py
+	$(PY) benchmarks/bench_ft.py
 	$(PY) benchmarks/plan_balance.py
 	$(PY) benchmarks/bench_vmap_compile.py
 

@@ -47,3 +47,30 @@ def test_the_property_example_runs_as_a_script():
                           capture_output=True, text=True, timeout=180, env=ENV)
     assert done.returncode == 0, done.stderr
     assert "property holds" in done.stdout
+
+
+def test_the_fault_tolerant_example_runs_per_replica_group_under_torchrun():
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's lighthouse logs every quorum otherwise
+    lighthouse_server = pytest.importorskip("torchft.coordination").LighthouseServer
+    # min_replicas=2: the first quorum waits for both groups (torchrun starts them seconds apart on 2 busy cores;
+    # one alone would finish its 60 steps before the other started)
+    lighthouse = lighthouse_server(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, quorum_tick_ms=20,
+                                   heartbeat_timeout_ms=1000)
+    try:
+        env = {**ENV, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "error"}
+        groups = [
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                 str(ROOT / "examples" / "fault_tolerant_diloco.py"), "--replica-id", str(i), "--steps", "60"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+            )
+            for i in range(2)
+        ]
+        outputs = [group.communicate(timeout=180) for group in groups]
+    finally:
+        lighthouse.shutdown()
+    for group, (out, err) in zip(groups, outputs):
+        assert group.returncode == 0, out + err
+    finals = [out.strip().splitlines()[-1] for out, _ in outputs]  # the same global copy in both groups
+    assert finals[0] == finals[1] and finals[0].startswith("step 60: global copy digest")
+    assert "2 replica group(s) contributed, 0 failed synchronizations, 0 heals" in finals[0]
