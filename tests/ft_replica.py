@@ -67,6 +67,8 @@ def main(spec: dict) -> None:
         store.wait([key])
     if "context" in spec:  # one averaging, with this replica's context
         mean_with_context(manager, spec)
+    elif spec.get("averager"):
+        periodic_averaging(manager, spec)
     else:
         train(manager, store, spec)
     store.add(f"done.{spec['id']}", 1)
@@ -84,6 +86,19 @@ def mean_with_context(manager, spec: dict) -> None:
     except puredist.RankMismatchError as error:
         raised = str(error)
     torch.save({"raised": raised, "tensor": tensor}, spec["out"])
+
+
+def periodic_averaging(manager, spec: dict) -> None:
+    """Post-local SGD over the quorum: ``puredist.periodic_averager(2)`` for 6 steps of a
+    deterministic local update; save the parameters."""
+    params = make_params()
+    averager = puredist.periodic_averager(2)
+    state = averager.init(params)
+    collective = ManagerCollective(manager)
+    for step in range(6):
+        local_step(params, spec["index"], step)
+        state = averager.update_(params, state, collective=collective)
+    torch.save({"params": params, "step": state.step}, spec["out"])
 
 
 def train(manager, store, spec: dict) -> None:

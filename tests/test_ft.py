@@ -152,6 +152,25 @@ def test_replicas_average_or_all_refuse_a_mismatch_before_the_data_travels(repli
             assert torch.equal(r["tensor"], torch.full((4,), float(i + 1)))
 
 
+def test_post_local_sgd_runs_over_the_quorum_unchanged(replicas):
+    for i in range(2):
+        replicas.start(f"r{i}", i, averager=True, wait_for=[f"up.r{1 - i}"], finish_with=[f"r{1 - i}"])
+    results = [replicas.result(f"r{i}") for i in range(2)]
+    # the oracle: the same steps in this process, averaging every 2 steps by hand (the mean of two: (a + b) / 2)
+    oracle = [ft_replica.make_params() for _ in range(2)]
+    for step in range(6):
+        for i in range(2):
+            ft_replica.local_step(oracle[i], i, step)
+        if step % 2 == 0:
+            for name in oracle[0]:
+                mean = (oracle[0][name] + oracle[1][name]) / 2
+                oracle[0][name], oracle[1][name] = mean.clone(), mean.clone()
+    for result, expected in zip(results, oracle):
+        assert result["step"] == 6
+        for name, tensor in expected.items():
+            torch.testing.assert_close(result["params"][name], tensor, rtol=0, atol=0)
+
+
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
     for options in ({"delay": 1}, {"compressor": puredist.int8_blocks(64)}, {"lower_levels": {2: 1}}):
         transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)
