@@ -31,8 +31,9 @@ def make_params() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(6, 4, generator=generator), "b": torch.randn(4, generator=generator)}
 
 
-def make_transform():
-    return puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=SYNC_EVERY)
+def make_transform(compressed: bool = False):
+    return puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=SYNC_EVERY,
+                                    compressor=puredist.int8_blocks(8) if compressed else None)
 
 
 def local_step(params, replica: int, step: int) -> None:
@@ -69,6 +70,8 @@ def main(spec: dict) -> None:
         mean_with_context(manager, spec)
     elif spec.get("averager"):
         periodic_averaging(manager, spec)
+    elif spec.get("compressed_averager"):
+        compressed_averaging(manager, spec)
     else:
         train(manager, store, spec)
     store.add(f"done.{spec['id']}", 1)
@@ -101,9 +104,24 @@ def periodic_averaging(manager, spec: dict) -> None:
     torch.save({"params": params, "step": state.step}, spec["out"])
 
 
+def compressed_averaging(manager, spec: dict) -> None:
+    """``puredist.compressed_averager(int8_blocks(8))`` over the quorum for 3 steps of
+    the local update, the parameters replaced by the means; save both and the
+    residuals."""
+    params = make_params()
+    averager = puredist.compressed_averager(puredist.int8_blocks(8))
+    state = averager.init(params)
+    collective = ManagerCollective(manager)
+    for step in range(3):
+        local_step(params, spec["index"], step)
+        means, state = averager.update(params, state, collective=collective)
+        params = {name: mean.clone() for name, mean in means.items()}
+    torch.save({"params": params, "residuals": list(state.residuals)}, spec["out"])
+
+
 def train(manager, store, spec: dict) -> None:
     """DiLoCo with the spec's faults; save what it ends with."""
-    transform = make_transform()
+    transform = make_transform(spec.get("compressed", False))
     ft = FaultTolerantOuter(transform, manager)
     params = make_params()
     state = transform.init(params)

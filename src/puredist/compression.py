@@ -24,6 +24,12 @@ next time). So the result is ``(1/W) sum_r (x_r + e_r - e_r')`` and error feedba
 telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The
 residuals are the state (checkpoint them with the rest).
 
+Over a torchft quorum (:class:`puredist.ft.ManagerCollective`), whose members change
+between calls, there are no fixed chunk owners: every contributing replica's whole row,
+compressed, is gathered by all, and each decodes the rows and takes their mean in quorum
+order (one phase; ``W - 1`` payloads per replica). A row's residual is what its payload
+lost, so error feedback telescopes as above.
+
 Bytes on the wire per rank: ``2 (W - 1) / W`` payloads of the whole tensor, as a ring
 all-reduce sends ``2 (W - 1) / W`` tensors: the format's ratio (payload of ``n`` floats:
 int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``; top-k
@@ -38,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import RankMismatchError, refusals, with_refusal
+from puredist._consistency import REFUSED, RankMismatchError, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
@@ -222,9 +228,38 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> b
             raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
         check_not_pending(leaf, "params", lambda: f"leaf {position}")
     simulated = isinstance(collective, SimulatedCollective)
-    if not simulated and not isinstance(collective, DistributedCollective):
-        raise TypeError(f"Arg ``collective`` must be a DistributedCollective or SimulatedCollective, got {collective!r}.")
+    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective):
+        raise TypeError(
+            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective or a collective that gathers "
+            f"rows (puredist.ft.ManagerCollective), got {collective!r}."
+        )
     return simulated
+
+
+def _gathers(collective: Collective) -> bool:
+    """Whether ``collective`` averages compressed payloads by gathering them (a torchft
+    quorum, whose membership changes between calls: no fixed chunk owners)."""
+    return callable(getattr(collective, "all_gather_rows", None))
+
+
+def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
+                   context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of this replica's row (``[1, numel]``) by one phase: every
+    contributing replica's whole row, compressed, gathered by all; the mean of the
+    decoded rows in quorum order (the same bits everywhere); what this row's payload
+    lost is its residual. Bytes per replica: ``W - 1`` payloads (the two phases send
+    ``2 (W - 1) / W``). A replica with non-finite values sends zeros and a context
+    that differs, so that every replica raises before any payload is read."""
+    numel = rows.shape[1]
+    payload = compressor.encode(rows[0] if finite else torch.zeros_like(rows[0]))
+    try:
+        gathered = collective.all_gather_rows(list(payload), context=context)
+    except RankMismatchError:
+        if not finite:
+            _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
+        raise
+    mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
+    return mean, rows - compressor.decode(payload, numel)
 
 
 def _raise_non_finite(where: list[str], context: str) -> None:
@@ -268,6 +303,9 @@ def compressed_mean(
         f"leaf {i}" for i, (leaf, residual) in enumerate(zip(leaves, residuals))
         if not torch.isfinite(leaf.detach().float() + residual).all()
     )
+    if _gathers(collective):  # one torchft step; a replica's non-finite values make its context differ
+        mean, left = _gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
+        return _outputs(mean, left, leaves, given, residuals, count)
     if not simulated:  # every rank learns whether any rank has a non-finite value
         try:
             collective.check_same_on_all_ranks(given, context=with_refusal(context, where), what="a compressed averaging")
@@ -281,6 +319,12 @@ def compressed_mean(
         mean, left = rows[0], torch.zeros_like(rows)
     else:
         mean, left = _two_phase_mean(rows, compressor, collective, simulated, leaves)
+    return _outputs(mean, left, leaves, given, residuals, count)
+
+
+def _outputs(mean: torch.Tensor, left: torch.Tensor, leaves, given, residuals, count: int):
+    """The flat ``mean`` and ``left`` (``[count, numel]``) cut back into the leaves'
+    shapes and dtypes (``given``'s DTensor placements) and the residuals' shapes."""
     sizes = [leaf.numel() // count for leaf in leaves]
     outputs = [
         like(original, part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone())

@@ -1,8 +1,8 @@
 """The mean over the replica groups of a torchft ``Manager``'s quorum, as a
 :class:`~puredist.Collective`.
 
-Each reduction (:meth:`ManagerCollective.mean_`, :meth:`ManagerCollective.check_replicated`)
-is one torchft step: a new quorum (``start_quorum``: membership may change between
+Each reduction (:meth:`ManagerCollective.mean_`, :meth:`ManagerCollective.check_replicated`,
+:meth:`ManagerCollective.all_gather_rows` for compressed payloads) is one torchft step: a new quorum (``start_quorum``: membership may change between
 reductions, a replica that is behind heals from a peer), a rank check, the
 all-reduce, and the replica groups' vote (``should_commit``). The tensors are written
 only once the vote commits, so a replica that dies, a timeout or a vote against leave
@@ -158,6 +158,41 @@ class ManagerCollective:
         given = checked(tensors)
         digest = " ".join(str(_value_digest(t)) for t in given.reduced)
         self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
+
+    def all_gather_rows(self, tensors: Sequence[torch.Tensor], *, context: str) -> list[list[torch.Tensor]]:
+        """One torchft step that gathers ``tensors`` (any dtypes, e.g. compressed
+        payloads) from every contributing replica: their rows, in quorum order (this
+        replica's among them unless it is healing). What
+        :func:`puredist.compression.compressed_mean` runs over a quorum.
+
+        Raises:
+            Healed: as :meth:`mean_`.
+            RankMismatchError: on every replica, when they pass different shapes,
+                dtypes or contexts.
+            CollectiveError: the quorum, a gather or the vote failed.
+        """
+        from torch.distributed.distributed_c10d import AllgatherOptions
+        from torchft.process_group import ManagedProcessGroup
+
+        tensors = [t.contiguous() for t in tensors]
+        what = "A compressed averaging over a torchft quorum"
+        self._start_quorum(tensors, what)
+        joining, self._joining = self._joining, False
+        device = tensors[0].device
+        self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", joining, device, what)
+        group = ManagedProcessGroup(self.manager)
+        flag = torch.tensor([0.0 if joining else 1.0], device=device)
+        gathered = []
+        try:
+            for tensor in (flag, *tensors):
+                outputs = [torch.empty_like(tensor) for _ in range(group.size())]
+                group.allgather([outputs], [tensor], AllgatherOptions()).wait()
+                gathered.append(outputs)
+        except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
+            self.manager.report_error(cause)
+        self._commit(tensors, what)
+        flags, *columns = gathered
+        return [[column[r] for column in columns] for r in range(len(flags)) if flags[r].item() == 1.0]
 
     def _reduce(self, given, reduced: list[torch.Tensor], what: str, agreed: str, *, write_back: bool) -> None:
         """One torchft step: quorum, rank check on ``agreed``, all-reduce of

@@ -4,8 +4,8 @@ over a torchft quorum (:class:`~puredist.ft.ManagerCollective`).
 The transform is unchanged; this module adds what a replica group does around its
 ``update_``:
 
-- it serves the state it passes in (step, global copy, outer state, residuals: the
-  transform's ``state_dict``) to a peer that heals in that synchronization's quorum;
+- it serves the state it passes in (step, global copy, outer state: the transform's
+  ``state_dict``) to a peer that heals in that synchronization's quorum;
 - where the quorum heals *this* replica (it restarted, or missed a commit), it takes
   the peer's state (``load_state_dict``, checked), writes the global copy into its
   parameters, and runs the same synchronization again from there, contributing
@@ -39,7 +39,9 @@ class FaultTolerantOuter:
 
     Args:
         transform: from :func:`puredist.outer_optimizer`, synchronous (``delay=0``),
-            without lower levels or a compressor.
+            without lower levels; with a compressor, the payloads are gathered (see
+            :func:`puredist.compression.compressed_mean`) and a healed replica starts
+            with zero residuals.
         manager: this replica group's ``torchft.manager.Manager``, as
             :func:`puredist.ft.replica_manager` builds it.
         key: the name its state is registered under with the manager.
@@ -51,16 +53,16 @@ class FaultTolerantOuter:
         last_error: the last failure's error (``None``: none yet).
 
     Raises:
-        ValueError: a transform with a delay, lower levels or a compressor.
+        ValueError: a transform with a delay or lower levels.
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
         config = options_of(transform.update)
-        if config.delay or config.lower_sizes or config.compressor is not None:
+        if config.delay or config.lower_sizes:
             raise ValueError(
-                f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous, uncompressed and "
-                "at one level (delay=0, no lower_levels, no compressor): a delayed or compressed one keeps per-rank "
-                "state that a healing peer cannot hand over."
+                f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous and at one level "
+                "(delay=0, no lower_levels): a delayed one carries per-rank snapshots that a healing peer cannot hand "
+                "over, and a quorum has no subgroups."
             )
         self.transform = transform
         self.manager = manager
@@ -107,6 +109,8 @@ class FaultTolerantOuter:
         """The peer's state received in this quorum (checked against ``state``), its
         global copy written into ``params``; served from now on."""
         healed = self.transform.load_state_dict(state, self._received, rank=0)
+        # a compressor's residuals are what the peer's own payloads lost: this replica starts without any
+        healed = healed._replace(residuals=tuple(torch.zeros_like(r) for r in healed.residuals))
         self._received = None
         self.heals += 1
         leaves, _ = _float_leaves(params, in_place=True)
