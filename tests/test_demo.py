@@ -152,6 +152,32 @@ def test_an_unwritable_output_folder_is_refused_before_any_worker_starts(tmp_pat
     assert "is not a writable folder" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--algorithms", "diloco", "--kill-worker", "5"], "--kill-worker 5 kills a worker of a fault-tolerant algorithm"),
+    (["--algorithms", "diloco_ft", "--kill-worker", "5", "--world-size", "1"], "needs a worker that survives"),
+    (["--algorithms", "diloco_ft", "--kill-worker", "500", "--steps", "40"], "and a step of the run (--steps 40)"),
+])
+def test_kill_worker_options_that_cannot_run_are_refused_before_any_worker_starts(options, message, tmp_path, capsys):
+    assert cli.main([*options, "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_without_torchft_the_default_run_leaves_diloco_ft_out_and_asking_for_it_gives_the_install_hint(
+    tmp_path, capsys, monkeypatch
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert cli.main(["--algorithms", "diloco_ft", "--output", str(tmp_path)]) == 2
+    assert "needs torchft: pip install 'puredist[ft]'" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["--output", str(tmp_path)])
+    args.steps = 10
+    assert cli._choose_algorithms(args) is None and "diloco_ft" not in args.algorithms
+    assert "it needs torchft" in capsys.readouterr().out
+
+
 def test_more_workers_than_the_machine_holds_are_refused(tmp_path, capsys):
     assert cli.main(["--world-size", "1000", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
