@@ -57,16 +57,25 @@ def test_matches_torch_optim_bitwise(dtype, torch_class, functional, hyperparams
             assert torch.equal(ours_a, theirs.detach()) and torch.equal(ours_b, theirs.detach())
 
 
-def test_pure_update_does_not_touch_its_inputs():
-    optimizer = puredist.adam(lr=0.1)
-    params = [torch.randn(4)]
+# foreach=True: the out-of-place multi-tensor step (puredist._out_of_place); None on a CPU: a copy, stepped in place
+@pytest.mark.parametrize("make", [lambda: puredist.adam(lr=0.1), lambda: puredist.adamw(lr=0.1, foreach=True),
+                                  lambda: puredist.adamw(lr=0.1, amsgrad=True, maximize=True, foreach=True)],
+                         ids=["adam", "adamw-foreach", "adamw-amsgrad-foreach"])
+def test_pure_update_does_not_touch_its_inputs_and_equals_the_in_place_step(make):
+    optimizer = make()
+    params = [torch.randn(4), torch.randn(2, 3)]
     state = optimizer.init(params)
-    grads = [torch.randn(4)]
-    kept_params, kept_state = params[0].clone(), [t.clone() for t in state[0] if t is not None]
+    grads = [torch.randn(4), torch.randn(2, 3)]
+    kept_params, kept_state = [p.clone() for p in params], [[t.clone() for t in s] for s in state]
     new_params, new_state = optimizer.update(params, grads, state)
-    assert torch.equal(params[0], kept_params)
-    assert all(torch.equal(a, b) for a, b in zip([t for t in state[0] if t is not None], kept_state))
-    assert not torch.equal(new_params[0], params[0]) and new_state[0].step.item() == 1.0
+    assert all(torch.equal(p, k) for p, k in zip(params, kept_params))
+    assert all(torch.equal(a, b) for s, k in zip(state, kept_state) for a, b in zip(s, k))
+    in_place_state = optimizer.update_(params, grads, state)  # the reference: torch's kernel, in place
+    assert all(torch.equal(a, b) for a, b in zip(new_params, params))
+    assert all(torch.equal(a, b) for s, t in zip(new_state, in_place_state) for a, b in zip(s, t))
+    fresh = {t.data_ptr() for s in new_state for t in s} | {p.data_ptr() for p in new_params}
+    assert not fresh & ({t.data_ptr() for s in state for t in s} | {p.data_ptr() for p in params})
+    assert new_state[0].step.item() == 1.0
 
 
 def test_the_state_is_shaped_like_the_params_tree():

@@ -48,6 +48,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._inputs import is_transformed, transforms_active
+from puredist._out_of_place import adam_foreach, runs_foreach
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
 
@@ -420,8 +421,15 @@ def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) 
     )
 
 
+_PureStep = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], tuple[list, list] | None]
+"""``pure_step(params, grads, states) -> (new params, new states)`` computed into new
+tensors, the inputs untouched, or ``None`` where it does not apply (then the pure
+``update`` copies and steps the copies in place)."""
+
+
 def _make_optimizer(
-    init_leaf: Callable, scheduled: tuple[_Step, Callable], differentiable: bool, config: str
+    init_leaf: Callable, scheduled: tuple[_Step, Callable], differentiable: bool, config: str,
+    pure_step: _PureStep | None = None,
 ) -> Optimizer:
     step, check_states = scheduled
     def init(params: PyTree) -> PyTree:
@@ -469,6 +477,14 @@ def _make_optimizer(
                      *(t for s in states for t in s if isinstance(t, torch.Tensor))],
             differentiable,
         )
+        if not traced and pure_step is not None:
+            stepped_out_of_place = pure_step(leaves, grad_leaves, states)
+            if stepped_out_of_place is not None:
+                new, new_states = stepped_out_of_place
+                for copy, leaf in zip(new, leaves):
+                    if leaf.requires_grad:
+                        copy.requires_grad_()
+                return tree_unflatten(spec, new), tree_unflatten(spec, new_states)
         cloned = clone_states(states, recorded=traced)  # the inputs' state tensors are never handed out
         if not traced:
             new = copies(leaves)
@@ -629,11 +645,29 @@ def _adam_family(
         kernel(params, grads, states, traced, lr, weight_decay, betas)  # counts the step in the states, in place
         return list(states)
 
+    def pure_step(params, grads, states):
+        """torch's multi-tensor step into new tensors (:mod:`puredist._out_of_place`),
+        where torch would run that kernel eagerly on real tensors, every parameter
+        has a gradient and no hyper-parameter is a schedule; ``None`` elsewhere."""
+        if (callable(lr) or callable(weight_decay) or callable(betas) or torch.compiler.is_compiling()
+                or any(g is None for g in grads) or not runs_foreach(params, foreach, fused)
+                or any(p.is_complex() for p in params)):
+            return None
+        new_params, exp_avgs, exp_avg_sqs, maxima, steps = adam_foreach(
+            params, grads, [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
+            [s.max_exp_avg_sq for s in states] if amsgrad else None, [s.step for s in states],
+            lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+            maximize=maximize,
+        )
+        if amsgrad:
+            return new_params, [AMSGradParamState(*fields) for fields in zip(steps, exp_avgs, exp_avg_sqs, maxima)]
+        return new_params, [AdamParamState(*fields) for fields in zip(steps, exp_avgs, exp_avg_sqs)]
+
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
     config = _config("adamw" if decoupled else "adam", lr=lr, betas=betas if callable(betas) else tuple(betas), eps=eps, weight_decay=weight_decay,
                      amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
-    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable, config)
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable, config, pure_step)
 
 
 def adam(
