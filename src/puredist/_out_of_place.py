@@ -9,9 +9,10 @@ in-place one, so a kernel written with those, in torch's op order, writes its re
 straight into the new tensors: bit for bit torch's step, without the copy.
 
 :func:`adam_foreach` follows ``torch.optim.adam._multi_tensor_adam`` (torch 2.4 to
-2.13: the eager, non-capturable path for real tensors) op for op; the tests compare
-it with ``torch.optim.Adam``/``AdamW`` bit for bit. :func:`runs_foreach` is torch's
-own rule for when that kernel runs.
+2.13: the eager, non-capturable path for real tensors) op for op, :func:`sgd_foreach`
+``torch.optim.sgd._multi_tensor_sgd`` (undampened, dense); the tests compare them with
+``torch.optim``'s classes bit for bit. :func:`runs_foreach` is torch's own rule for
+when those kernels run.
 
 This module must not decide whether a step is recorded or scheduled: the optimizer
 calls it only for eager steps with fixed hyper-parameters.
@@ -26,8 +27,8 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 
 def runs_foreach(params: Sequence[torch.Tensor], foreach: bool | None, fused: bool | None) -> bool:
-    """Whether ``torch.optim.adam.adam`` with these choices runs its multi-tensor
-    kernel on ``params`` (``None``, ``None``: torch's default, multi-tensor on
+    """Whether ``torch.optim``'s functional ``adam``/``sgd`` with these choices run
+    their multi-tensor kernel on ``params`` (``None``, ``None``: torch's default, multi-tensor on
     accelerators)."""
     if fused:
         return False
@@ -90,3 +91,32 @@ def adam_foreach(
             params = torch._foreach_addcdiv(params, exp_avgs, denominators, step_size)
     maxima = None if max_exp_avg_sqs is None else list(max_exp_avg_sqs)
     return list(params), list(exp_avgs), list(exp_avg_sqs), maxima, list(steps)
+
+
+def sgd_foreach(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """One SGD step without dampening into new tensors, the inputs untouched:
+    ``(params, momentum buffers or None)``. With ``g`` the gradient (negated for
+    ``maximize``, plus ``weight_decay * p``): ``b = momentum b + g``, the step
+    direction ``d = g + momentum b`` (``nesterov``) or ``b``, ``p = p - lr d``
+    (without momentum ``d = g``). Runs under ``torch.no_grad``."""
+    with torch.no_grad():
+        if maximize:
+            grads = torch._foreach_neg(grads)
+        if weight_decay != 0:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        if momentum != 0:
+            momentum_buffers = torch._foreach_mul(momentum_buffers, momentum)
+            torch._foreach_add_(momentum_buffers, grads, alpha=1.0)  # (torch's 1 - dampening)
+            grads = torch._foreach_add(grads, momentum_buffers, alpha=momentum) if nesterov else momentum_buffers
+        params = torch._foreach_add(params, grads, alpha=-lr)
+    return list(params), None if momentum_buffers is None else list(momentum_buffers)

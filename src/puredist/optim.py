@@ -48,7 +48,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._inputs import is_transformed, transforms_active
-from puredist._out_of_place import adam_foreach, runs_foreach
+from puredist._out_of_place import adam_foreach, runs_foreach, sgd_foreach
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
 
@@ -589,6 +589,25 @@ def sgd(
             return list(states)  # every buffer was stepped in place (the usual case: no new state to build)
         return [_sgd_state(b, count) for b, count in zip(buffers, counts)]
 
+    def pure_step(params, grads, states):
+        """torch's multi-tensor step into new tensors (:mod:`puredist._out_of_place`),
+        where torch would run that kernel eagerly on dense gradients, every parameter
+        has a gradient, nothing is dampened or scheduled (no counts) and every
+        momentum buffer exists; ``None`` elsewhere."""
+        if (callable(lr) or callable(weight_decay) or callable(momentum) or dampening
+                or torch.compiler.is_compiling() or any(g is None or g.is_sparse for g in grads)
+                or not runs_foreach(params, foreach, fused)):
+            return None
+        if not has_momentum:
+            return sgd_foreach(params, grads, None, lr=lr, momentum=0.0, weight_decay=weight_decay,
+                               nesterov=nesterov, maximize=maximize)[0], list(states)
+        buffers = [getattr(s, "momentum_buffer", None) for s in states]
+        if any(b is None for b in buffers):
+            return None
+        new_params, new_buffers = sgd_foreach(params, grads, buffers, lr=lr, momentum=momentum,
+                                              weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        return new_params, [SGDParamState(b) for b in new_buffers]
+
     def init_leaf(p: torch.Tensor) -> NamedTuple:
         counted = callable(lr) or callable(weight_decay) or callable(momentum) or (momentum and dampening)
         count = torch.zeros((), dtype=torch.float32) if counted else None
@@ -601,7 +620,8 @@ def sgd(
     hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
     config = _config("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
-    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable, config)
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable, config,
+                           pure_step)
 
 
 def _adam_family(
