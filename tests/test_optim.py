@@ -80,6 +80,28 @@ def test_pure_update_does_not_touch_its_inputs_and_equals_the_in_place_step(make
     assert not isinstance(new_state[0], puredist.optim.AdamParamState) or new_state[0].step.item() == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("torch_class, make", [
+    (torch.optim.SGD, lambda: dict(lr=0.1, momentum=0.9, foreach=True)),
+    (torch.optim.Adam, lambda: dict(lr=0.1, betas=(0.9, 0.99), foreach=True)),
+    (torch.optim.AdamW, lambda: dict(lr=0.1, weight_decay=0.1, foreach=True)),
+], ids=["sgd", "adam", "adamw"])
+def test_a_16_bit_pure_update_equals_torch_bitwise(dtype, torch_class, make):
+    # where torch's in-place 16-bit multiply rounds its scalar first, the pure update keeps to torch's kernel
+    functional = {torch.optim.SGD: puredist.sgd, torch.optim.Adam: puredist.adam, torch.optim.AdamW: puredist.adamw}
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(256, generator=gen).to(dtype)]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_optimizer, optimizer = torch_class(reference, **make()), functional[torch_class](**make())
+    state = optimizer.init(params)
+    for _ in range(5):
+        grads = [torch.randn(256, generator=gen).to(dtype)]
+        reference[0].grad = grads[0].clone()
+        torch_optimizer.step()
+        params, state = optimizer.update(params, grads, state)
+        assert torch.equal(params[0], reference[0].detach())
+
+
 def test_the_state_is_shaped_like_the_params_tree():
     optimizer = puredist.adam(lr=0.1)
     params = {"w": torch.ones(2, 3), "bias": None, "layers": [torch.ones(4)]}

@@ -11,8 +11,9 @@ straight into the new tensors: bit for bit torch's step, without the copy.
 :func:`adam_foreach` follows ``torch.optim.adam._multi_tensor_adam`` (torch 2.4 to
 2.13: the eager, non-capturable path for real tensors) op for op, :func:`sgd_foreach`
 ``torch.optim.sgd._multi_tensor_sgd`` (undampened, dense); the tests compare them with
-``torch.optim``'s classes bit for bit. :func:`runs_foreach` is torch's own rule for
-when those kernels run.
+``torch.optim``'s classes bit for bit, for fp32 and fp64 tensors only (a 16-bit
+in-place multiply rounds its scalar to the tensor's dtype first; the out-of-place one
+does not). :func:`runs_foreach` is torch's own rule for when those kernels run.
 
 This module must not decide whether a step is recorded or scheduled: the optimizer
 calls it only for eager steps with fixed hyper-parameters.

@@ -421,6 +421,11 @@ def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) 
     )
 
 
+_OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
+"""Where :mod:`puredist._out_of_place` equals torch's in-place kernels bit for bit: a
+16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
+out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements)."""
+
 _PureStep = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], tuple[list, list] | None]
 """``pure_step(params, grads, states) -> (new params, new states)`` computed into new
 tensors, the inputs untouched, or ``None`` where it does not apply (then the pure
@@ -591,12 +596,13 @@ def sgd(
 
     def pure_step(params, grads, states):
         """torch's multi-tensor step into new tensors (:mod:`puredist._out_of_place`),
-        where torch would run that kernel eagerly on dense gradients, every parameter
-        has a gradient, nothing is dampened or scheduled (no counts) and every
-        momentum buffer exists; ``None`` elsewhere."""
+        where torch would run that kernel eagerly on fp32/fp64 tensors and dense
+        gradients, every parameter has a gradient, nothing is dampened or scheduled
+        (no counts) and every momentum buffer exists; ``None`` elsewhere."""
         if (callable(lr) or callable(weight_decay) or callable(momentum) or dampening
                 or torch.compiler.is_compiling() or any(g is None or g.is_sparse for g in grads)
-                or not runs_foreach(params, foreach, fused)):
+                or not runs_foreach(params, foreach, fused)
+                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params)))):
             return None
         if not has_momentum:
             return sgd_foreach(params, grads, None, lr=lr, momentum=0.0, weight_decay=weight_decay,
@@ -667,11 +673,12 @@ def _adam_family(
 
     def pure_step(params, grads, states):
         """torch's multi-tensor step into new tensors (:mod:`puredist._out_of_place`),
-        where torch would run that kernel eagerly on real tensors, every parameter
-        has a gradient and no hyper-parameter is a schedule; ``None`` elsewhere."""
+        where torch would run that kernel eagerly on fp32/fp64 tensors, every
+        parameter has a gradient and no hyper-parameter is a schedule; ``None``
+        elsewhere."""
         if (callable(lr) or callable(weight_decay) or callable(betas) or torch.compiler.is_compiling()
                 or any(g is None for g in grads) or not runs_foreach(params, foreach, fused)
-                or any(p.is_complex() for p in params)):
+                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params)))):
             return None
         new_params, exp_avgs, exp_avg_sqs, maxima, steps = adam_foreach(
             params, grads, [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
