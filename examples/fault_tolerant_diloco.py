@@ -40,7 +40,8 @@ def main() -> None:
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     inner = puredist.adamw(1e-2)
     inner_state = inner.init(params)
-    transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=args.sync_every)
+    transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=args.sync_every,
+                                         warmup_steps=1)  # (fault tolerance needs one step before the first sync)
     manager = replica_manager(args.replica_id, os.environ["TORCHFT_LIGHTHOUSE"], min_replicas=1,
                               timeout=timedelta(seconds=30))
     outer = FaultTolerantOuter(transform, manager)
@@ -55,9 +56,9 @@ def main() -> None:
     while state.step < args.steps:
         x = torch.randn(64, 16, generator=data)
         inner_state = inner.update_(params, grad(loss)(params, x), inner_state)
-        step = state.step
+        commits = manager.current_step()
         state = outer.update_(params, state)  # a synchronization every sync_every steps, over the quorum of then
-        if state.step % args.sync_every == 0 and state.step != step:
+        if manager.current_step() != commits and state.step > 1:  # a synchronization committed
             digest = sum(float(t.double().sum()) for t in state.global_params)
             print(f"step {state.step}: global copy digest {digest:.9f}, {outer.collective.world_size} replica "
                   f"group(s) contributed, {outer.failed} failed synchronizations, {outer.heals} heals", flush=True)

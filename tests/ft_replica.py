@@ -33,7 +33,7 @@ def make_params() -> dict[str, torch.Tensor]:
 
 def make_transform(compressed: bool = False):
     return puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=SYNC_EVERY,
-                                    compressor=puredist.int8_blocks(8) if compressed else None)
+                                    warmup_steps=1, compressor=puredist.int8_blocks(8) if compressed else None)
 
 
 def local_step(params, replica: int, step: int) -> None:
@@ -50,6 +50,7 @@ def _snapshot(state) -> list[torch.Tensor]:
 def main(spec: dict) -> None:
     torch.set_num_threads(1)
     store = torch.distributed.TCPStore("127.0.0.1", spec["port"], is_master=False, timeout=timedelta(seconds=60))
+    store.wait(spec.get("start_after", []))  # (a late replica: no manager, so no heartbeat, before then)
     manager = replica_manager(spec["id"], spec["lighthouse"], min_replicas=1, timeout=timedelta(seconds=spec["timeout"]),
                               quorum_timeout=timedelta(seconds=60))
     reductions = 0
@@ -68,6 +69,8 @@ def main(spec: dict) -> None:
         store.wait([key])
     if "context" in spec:  # one averaging, with this replica's context
         mean_with_context(manager, spec)
+    elif "means" in spec:
+        means(manager, store, spec)
     elif spec.get("averager"):
         periodic_averaging(manager, spec)
     elif spec.get("compressed_averager"):
@@ -89,6 +92,23 @@ def mean_with_context(manager, spec: dict) -> None:
     except puredist.RankMismatchError as error:
         raised = str(error)
     torch.save({"raised": raised, "tensor": tensor}, spec["out"])
+
+
+def means(manager, store, spec: dict) -> None:
+    """``spec["means"]`` averagings of ``[index + 1] * 4`` (a fresh tensor each), 2 s
+    apart; save what each did (``"ok"`` and the tensor, or the error's type)."""
+    outcomes = []
+    for call in range(spec["means"]):
+        tensor = torch.full((4,), float(spec["index"] + 1))
+        try:
+            ManagerCollective(manager).mean_([tensor], context="the same every time")
+            outcomes.append(("ok", tensor))
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            outcomes.append((type(error).__name__, tensor))
+        if call == 0:
+            store.add(f"first.{spec['id']}", 1)
+        time.sleep(2.0)  # (a late replica's manager is up well within this)
+    torch.save(outcomes, spec["out"])
 
 
 def periodic_averaging(manager, spec: dict) -> None:

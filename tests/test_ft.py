@@ -131,8 +131,8 @@ def test_a_replica_killed_between_synchronizations_leaves_the_other_going_and_re
 
 
 def test_a_replica_killed_inside_a_synchronization_changes_nothing_on_the_survivor(replicas):
-    # all-reduces: 1 = the initial check; then two per synchronization (rank check, data): 5 is the data
-    # all-reduce of the synchronization at step 6 (the second)
+    # all-reduces: 1 = the initial check at step 0; then two per synchronization (rank check, data), at steps
+    # 1, 4, 7, ...: 5 is the data all-reduce of the synchronization at step 4
     replicas.start("a", 0, wait_for=["up.b"])
     replicas.start("b", 1, wait_for=["up.a"], die_in_reduction=5)
     assert replicas.wait("b") == 3
@@ -153,6 +153,17 @@ def test_replicas_average_or_all_refuse_a_mismatch_before_the_data_travels(repli
         for i, r in enumerate(results):
             assert "the replicas passed different tensor layouts or contexts" in r["raised"]
             assert torch.equal(r["tensor"], torch.full((4,), float(i + 1)))
+
+
+def test_a_replica_that_heals_in_a_plain_averaging_raises_healed_and_its_peer_completes(replicas):
+    replicas.start("a", 0, means=4, finish_with=["b"])
+    # b starts after a's first averaging and takes part in a's last three
+    replicas.start("b", 1, means=3, start_after=["first.a"], finish_with=["a"])
+    a, b = replicas.result("a"), replicas.result("b")
+    assert [kind for kind, _ in a] == ["ok"] * 4  # a never fails
+    assert b[0][0] == "Healed" and torch.equal(b[0][1], torch.full((4,), 2.0))  # b behind: healed, unwritten
+    assert all(kind == "ok" and torch.equal(t, torch.full((4,), 1.5)) for kind, t in b[1:])  # then a member
+    assert any(torch.equal(tensor, torch.full((4,), 1.5)) for _, tensor in a)
 
 
 def test_post_local_sgd_runs_over_the_quorum_unchanged(replicas):
@@ -202,10 +213,17 @@ def test_compressed_averaging_runs_over_the_quorum_by_gathering_the_payloads(rep
 
 
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
-    for options in ({"delay": 1}, {"lower_levels": {2: 1}}):
+    for options in ({"delay": 1, "warmup_steps": 1}, {"lower_levels": {2: 1}, "warmup_steps": 1}, {}):
         transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)
-        with pytest.raises(ValueError, match=r"delay=0, no lower_levels"):
+        with pytest.raises(ValueError, match=r"delay=0, no lower_levels\), after at least one step of warm-up"):
             FaultTolerantOuter(transform, manager=None)
+
+
+@pytest.mark.parametrize("setting", ["_use_async_quorum", "_init_sync"])
+def test_manager_collective_refuses_a_manager_that_would_heal_unseen(setting):
+    manager = type("Manager", (), {setting: True})()  # what torchft's Manager keeps of its arguments
+    with pytest.raises(ValueError, match="use_async_quorum=False and init_sync=False"):
+        ManagerCollective(manager)
 
 
 def test_manager_collective_refuses_a_group_size_before_communicating():

@@ -258,6 +258,8 @@ def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
         if not finite:
             _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
         raise
+    if not finite:  # every replica refused alike (or this one alone): nothing to average
+        _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
     mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
     return mean, rows - compressor.decode(payload, numel)
 

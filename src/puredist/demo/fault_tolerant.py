@@ -112,14 +112,17 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
         step_started = time.perf_counter()
         grads, loss = grad_and_value(loss_fn)(params, inputs, targets)
         inner_state = optimizer.update_(params, grads, inner_state)
-        heals, commits = outer.heals, manager.current_step()
+        heals, commits, before = outer.heals, manager.current_step(), state.step
         state = outer.update_(params, state)
         if manager.current_step() != commits:
             last_commit = state.step
-        if outer.heals != heals:
+        if restarted and heals == 0 and outer.heals == 1:  # the restarted worker's own heal, once
             store.add("members", 1)  # before its next synchronization: the peers wait for it at the end
             pipe.send(("rejoined", index, state.step, time.time()))
+        if outer.heals != heals:
             batches = _batches(task, shard, seed, index, state.step)  # its data resumes at its peers' step
+        if state.step == before:  # a failed synchronization: nothing applied, taken again at the next step
+            continue
         k = state.step - 1  # the step this one counts as (a heal jumps to its peers')
         step_seconds[k], losses[k] = time.perf_counter() - step_started, loss.item()
         now = bytes_written()
@@ -208,10 +211,12 @@ class _Launcher:
             step, last_commit, when = rest
             self.faults["killed"] = {"worker": index, "step": step, "last_commit_step": last_commit, "time": when}
             self.store.add("members", -1)
-            standby = next(p for p, (_, i) in self.pipes.items() if i is None)
+            standby = next((p for p, (_, i) in self.pipes.items() if i is None), None)
+            if standby is None:
+                raise RuntimeError(f"worker {index} was killed at step {step}, and the standby is gone")
             standby.send(index)
             self.pipes[standby] = (self.pipes[standby][0], index)
-        elif kind == "rejoined":
+        elif kind == "rejoined":  # (sent only by the standby that took a killed worker's place)
             step, when = rest
             killed = self.faults["killed"]
             self.faults["rejoined"] = {"worker": index, "step": step}

@@ -12,10 +12,10 @@ changed): the failure contract of :class:`~puredist.DistributedCollective`.
 The mean is over the replicas that *contribute*: a replica that has just healed
 (its tensors are stale) takes part in the all-reduce with zeros and is left out of
 the divisor. How many contribute travels in the rank check, a small float64
-all-reduce of ``[w, w*h1, w*h1**2, w*h2, w*h2**2]`` (``w`` 1 for a contributor, 0
-otherwise; ``h1``, ``h2`` two 20-bit digests of the layouts and the context): the
-replicas agree iff ``c * sum(h**2) == sum(h)**2`` for both digests (equality in
-Cauchy-Schwarz), which every replica computes from the same sums, so all raise
+all-reduce of ``[1, h1, h1**2, h2, h2**2, w]`` (``h1``, ``h2`` two 20-bit digests of
+the layouts and the context, from every replica; ``w`` 1 for a contributor, 0 for a
+healing one): the ``n`` replicas agree iff ``n * sum(h**2) == sum(h)**2`` for both
+digests (equality in Cauchy-Schwarz), which every replica computes from the same sums, so all raise
 :class:`~puredist.RankMismatchError` together, before the data travels.
 
 This module must not decide what to do after a failure or a heal (that is the
@@ -43,11 +43,13 @@ _DIGEST_BITS = 20
 
 
 class Healed(Exception):
-    """Raised by a :class:`ManagerCollective` built with ``restart_on_heal=True`` when
-    the quorum it started healed this replica (the manager has called the
-    registered ``load_state_dict`` functions): nothing was reduced, and the quorum
+    """The quorum a :class:`ManagerCollective` started healed this replica (the manager
+    has called the registered ``load_state_dict`` functions). Built with
+    ``restart_on_heal=True``, it raises at once: nothing was reduced, and the quorum
     stays open for the caller's next reduction, which this replica joins with zeros
-    (it must be the reduction its peers are running)."""
+    (it must be the reduction its peers are running, from their state). Without, it
+    takes part with zeros (its peers' reduction completes) and raises once the vote
+    is done: its tensors were not written."""
 
 
 def _digests(text: str) -> tuple[int, int]:
@@ -55,6 +57,22 @@ def _digests(text: str) -> tuple[int, int]:
     value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
     mask = (1 << _DIGEST_BITS) - 1
     return value & mask, (value >> _DIGEST_BITS) & mask
+
+
+_MEMBER, _REPLAYING, _HEALED = "member", "replaying", "healed"
+"""A replica's role in one reduction: it contributes (``_MEMBER``); it healed in this
+quorum and replays its peers' reduction from their state, with zeros but checked
+(``_REPLAYING``, after :class:`Healed`); it healed and its schedule is stale, so it
+sends zeros unchecked and raises :class:`Healed` once the others are done
+(``_HEALED``: a collective without ``restart_on_heal``)."""
+
+
+def _raise_if_healed(role: str, what: str) -> None:
+    if role == _HEALED:
+        raise Healed(
+            f"{what}: this replica healed from a peer in this quorum (the manager's load_state_dict functions have "
+            "run) and took part with zeros; its tensors were not written. Continue from the peers' state."
+        )
 
 
 class ManagerCollective:
@@ -67,8 +85,10 @@ class ManagerCollective:
             ``init_sync=False`` (the initial parameters are checked, not copied: see
             :func:`puredist.ft.replica_manager`). Every process of a replica group
             passes the same tensors; the mean is over the groups.
-        restart_on_heal: raise :class:`Healed` when a quorum heals this replica,
-            instead of reducing its (stale) tensors with zeros.
+        restart_on_heal: raise :class:`Healed` as soon as a quorum heals this
+            replica, for the caller to replay the reduction from its peers' state
+            (:class:`~puredist.ft.FaultTolerantOuter` does); without, the replica
+            takes part with zeros and raises :class:`Healed` afterwards.
 
     Unlike :class:`~puredist.DistributedCollective`, it stages the whole call at
     once (memory: the tensors' size, one buffer per device and dtype) and always
@@ -76,10 +96,16 @@ class ManagerCollective:
     """
 
     def __init__(self, manager, *, restart_on_heal: bool = False) -> None:
+        # (torchft keeps these private: read, never written)
+        if getattr(manager, "_use_async_quorum", False) or getattr(manager, "_init_sync", False):
+            raise ValueError(
+                "Arg ``manager``: build it with use_async_quorum=False and init_sync=False "
+                "(puredist.ft.replica_manager does): a replica must heal before its tensors are read, and a heal "
+                "is known by the step it changes."
+            )
         self.manager = manager
         self.restart_on_heal = restart_on_heal
-        self._quorum_open = False  # a heal left the quorum open for the next reduction
-        self._joining = False  # this replica contributes zeros to the next reduction
+        self._quorum_open = False  # a heal left the quorum open for the next reduction (its replay)
         self._world_size = 0
 
     @property
@@ -119,7 +145,7 @@ class ManagerCollective:
         Raises:
             TypeError, ValueError: a tensor that cannot be averaged, a ``group_size``
                 — before anything is communicated.
-            Healed: the quorum healed this replica (``restart_on_heal`` only).
+            Healed: the quorum healed this replica (see :class:`Healed`).
             RankMismatchError: on every replica, when they pass different layouts or
                 contexts; nothing is changed.
             CollectiveError: the quorum, the all-reduce or the vote failed; nothing is
@@ -176,12 +202,11 @@ class ManagerCollective:
 
         tensors = [t.contiguous() for t in tensors]
         what = "A compressed averaging over a torchft quorum"
-        self._start_quorum(tensors, what)
-        joining, self._joining = self._joining, False
+        role = self._start_quorum(tensors, what)
         device = tensors[0].device
-        self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", joining, device, what)
+        self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", role, device, what)
         group = ManagedProcessGroup(self.manager)
-        flag = torch.tensor([0.0 if joining else 1.0], device=device)
+        flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
         gathered = []
         try:
             for tensor in (flag, *tensors):
@@ -191,16 +216,16 @@ class ManagerCollective:
         except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
             self.manager.report_error(cause)
         self._commit(tensors, what)
+        _raise_if_healed(role, what)
         flags, *columns = gathered
         return [[column[r] for column in columns] for r in range(len(flags)) if flags[r].item() == 1.0]
 
     def _reduce(self, given, reduced: list[torch.Tensor], what: str, agreed: str, *, write_back: bool) -> None:
         """One torchft step: quorum, rank check on ``agreed``, all-reduce of
         ``reduced``, vote; write the means back only if it commits."""
-        self._start_quorum(given, what)
-        joining, self._joining = self._joining, False
+        role = self._start_quorum(given, what)
         device = given.reduced[0].device if given.reduced else torch.device("cpu")  # (the check's, too)
-        contributors = self._check(given, agreed, joining, device, what)
+        contributors = self._check(given, agreed, role, device, what)
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(reduced):
             groups.setdefault((t.device, t.dtype), []).append(i)
@@ -208,13 +233,14 @@ class ManagerCollective:
         for indices in groups.values():
             parts = [reduced[i].reshape(-1) for i in indices]
             buffer = torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
-            if not joining:
+            if role == _MEMBER:
                 torch.cat(parts, out=buffer)
                 if divides_first(buffer.dtype):
                     buffer.div_(contributors)
             buffers.append(buffer)
         self._all_reduce(buffers, given, what)
         self._commit(given, what)
+        _raise_if_healed(role, what)
         if not write_back:
             return
         for buffer, indices in zip(buffers, groups.values()):
@@ -224,34 +250,40 @@ class ManagerCollective:
             views = buffer.split([t.numel() for t in targets])
             torch._foreach_copy_(targets, [v.view(t.shape) for v, t in zip(views, targets)])
 
-    def _start_quorum(self, given, what: str) -> None:
-        """Start this reduction's quorum (unless a heal left one open); where it heals
-        this replica, contribute zeros, or raise :class:`Healed`."""
+    def _start_quorum(self, given, what: str) -> str:
+        """Start this reduction's quorum (unless a heal left one open: the replay of
+        its reduction); return this replica's role in it. Where the quorum heals it:
+        with ``restart_on_heal`` raise :class:`Healed` at once, else take part as
+        :data:`_HEALED`."""
         if self._quorum_open:
             self._quorum_open = False
-            return
+            return _REPLAYING
         before = self.manager.current_step()
         try:
             self.manager.start_quorum()
         except Exception as cause:  # noqa: BLE001 - the quorum's error (a timeout), with what it left: nothing
+            # torchft's next start_quorum would re-raise this failed quorum's error for good: forget it
+            self.manager._quorum_future = None
             raise nothing_changed(given, what, cause) from cause
-        if self.manager.current_step() != before:  # healed: the manager took a peer's step and state
-            self._joining = True
-            if self.restart_on_heal:
-                self._quorum_open = True
-                raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
+        if self.manager.current_step() == before:
+            return _MEMBER
+        if self.restart_on_heal:  # healed: the manager took a peer's step and state
+            self._quorum_open = True
+            raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
+        return _HEALED
 
-    def _check(self, given, agreed: str, joining: bool, device: torch.device, what: str) -> int:
-        """The rank check: how many replicas contribute, once all agree on ``agreed``."""
+    def _check(self, given, agreed: str, role: str, device: torch.device, what: str) -> int:
+        """The rank check: how many replicas contribute, once all that are checked
+        (every role but :data:`_HEALED`, whose schedule is stale) agree on ``agreed``."""
         h1, h2 = _digests(agreed)
-        weight = 0.0 if joining else 1.0
-        row = torch.tensor([weight, weight * h1, weight * h1 * h1, weight * h2, weight * h2 * h2],
-                           dtype=torch.float64, device=device)
+        checked = 0.0 if role == _HEALED else 1.0
+        row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
+                            1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
         self._all_reduce([row], given, what)
         if self.manager.errored() is not None:
             self._commit(given, what)  # votes against, and raises
-        count, s1, q1, s2, q2 = (int(v) for v in row.tolist())
-        if count < 1 or count * q1 != s1 * s1 or count * q2 != s2 * s2:
+        members, s1, q1, s2, q2, count = (int(v) for v in row.tolist())
+        if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
             reason = ("no replica contributes (every one is healing)" if count < 1 else
                       "the replicas passed different tensor layouts or contexts")
             error = RankMismatchError(f"{what} at torchft step {self.manager.current_step()}: {reason}; nothing was "

@@ -39,7 +39,8 @@ class FaultTolerantOuter:
 
     Args:
         transform: from :func:`puredist.outer_optimizer`, synchronous (``delay=0``),
-            without lower levels; with a compressor, the payloads are gathered (see
+            without lower levels, with ``warmup_steps >= 1`` (then every ``update_``
+            runs at most one reduction: a healing replica joins its peers' first); with a compressor, the payloads are gathered (see
             :func:`puredist.compression.compressed_mean`) and a healed replica starts
             with zero residuals.
         manager: this replica group's ``torchft.manager.Manager``, as
@@ -53,16 +54,18 @@ class FaultTolerantOuter:
         last_error: the last failure's error (``None``: none yet).
 
     Raises:
-        ValueError: a transform with a delay or lower levels.
+        ValueError: a transform with a delay, lower levels or no warm-up.
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
         config = options_of(transform.update)
-        if config.delay or config.lower_sizes:
+        if config.delay or config.lower_sizes or config.warmup_steps < 1:
             raise ValueError(
                 f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous and at one level "
-                "(delay=0, no lower_levels): a delayed one carries per-rank snapshots that a healing peer cannot hand "
-                "over, and a quorum has no subgroups."
+                "(delay=0, no lower_levels), after at least one step of warm-up (warmup_steps >= 1): a delayed one "
+                "carries per-rank snapshots that a healing peer cannot hand over, a quorum has no subgroups, and "
+                "without warm-up step 0 would both check the initial copy and synchronize, two reductions in one "
+                "update_, where a replica healing at the second could not replay the first."
             )
         self.transform = transform
         self.manager = manager
