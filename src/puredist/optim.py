@@ -426,6 +426,15 @@ _OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
 16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
 out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements)."""
 
+def _steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
+    """Whether a pure update runs :mod:`puredist._out_of_place`'s step: eagerly, where
+    torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
+    gradients for all of them, no hyper-parameter a schedule."""
+    return not (any(map(callable, hypers)) or torch.compiler.is_compiling()
+                or any(g is None or g.is_sparse for g in grads) or not runs_foreach(params, foreach, fused)
+                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params))))
+
+
 _PureStep = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], tuple[list, list] | None]
 """``pure_step(params, grads, states) -> (new params, new states)`` computed into new
 tensors, the inputs untouched, or ``None`` where it does not apply (then the pure
@@ -599,10 +608,7 @@ def sgd(
         where torch would run that kernel eagerly on fp32/fp64 tensors and dense
         gradients, every parameter has a gradient, nothing is dampened or scheduled
         (no counts) and every momentum buffer exists; ``None`` elsewhere."""
-        if (callable(lr) or callable(weight_decay) or callable(momentum) or dampening
-                or torch.compiler.is_compiling() or any(g is None or g.is_sparse for g in grads)
-                or not runs_foreach(params, foreach, fused)
-                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params)))):
+        if dampening or not _steps_out_of_place(params, grads, foreach, fused, lr, weight_decay, momentum):
             return None
         if not has_momentum:
             return sgd_foreach(params, grads, None, lr=lr, momentum=0.0, weight_decay=weight_decay,
@@ -676,9 +682,7 @@ def _adam_family(
         where torch would run that kernel eagerly on fp32/fp64 tensors, every
         parameter has a gradient and no hyper-parameter is a schedule; ``None``
         elsewhere."""
-        if (callable(lr) or callable(weight_decay) or callable(betas) or torch.compiler.is_compiling()
-                or any(g is None for g in grads) or not runs_foreach(params, foreach, fused)
-                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params)))):
+        if not _steps_out_of_place(params, grads, foreach, fused, lr, weight_decay, betas):
             return None
         new_params, exp_avgs, exp_avg_sqs, maxima, steps = adam_foreach(
             params, grads, [s.exp_avg for s in states], [s.exp_avg_sq for s in states],

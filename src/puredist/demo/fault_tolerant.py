@@ -270,8 +270,8 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
         for result in results.values():
             so_far = sum(b for b in result["step_bytes"][:step] if b is not None)
             result.setdefault("evaluations", []).append((step, accuracy, loss, so_far))
-    faults = {key: value for key, value in launcher.faults.items()}
-    faults.get("killed", {}).pop("time", None)
+    faults = launcher.faults
+    faults.get("killed", {}).pop("time", None)  # (a wall-clock instant: only the recovery time is reported)
     for result in results.values():
         result["faults"] = faults
         result["losses"] = [loss for loss in result["losses"] if loss is not None]

@@ -218,7 +218,8 @@ class ManagerCollective:
         self._commit(tensors, what)
         _raise_if_healed(role, what)
         flags, *columns = gathered
-        return [[column[r] for column in columns] for r in range(len(flags)) if flags[r].item() == 1.0]
+        contributes = torch.cat(flags).tolist()  # (one host read)
+        return [[column[r] for column in columns] for r, flag in enumerate(contributes) if flag == 1.0]
 
     def _reduce(self, given, reduced: list[torch.Tensor], what: str, agreed: str, *, write_back: bool) -> None:
         """One torchft step: quorum, rank check on ``agreed``, all-reduce of
@@ -238,7 +239,7 @@ class ManagerCollective:
                 if divides_first(buffer.dtype):
                     buffer.div_(contributors)
             buffers.append(buffer)
-        self._all_reduce(buffers, given, what)
+        self._all_reduce(buffers)
         self._commit(given, what)
         _raise_if_healed(role, what)
         if not write_back:
@@ -279,7 +280,7 @@ class ManagerCollective:
         checked = 0.0 if role == _HEALED else 1.0
         row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
                             1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
-        self._all_reduce([row], given, what)
+        self._all_reduce([row])
         if self.manager.errored() is not None:
             self._commit(given, what)  # votes against, and raises
         members, s1, q1, s2, q2, count = (int(v) for v in row.tolist())
@@ -294,7 +295,7 @@ class ManagerCollective:
         self._world_size = count
         return count
 
-    def _all_reduce(self, buffers: list[torch.Tensor], given, what: str) -> None:
+    def _all_reduce(self, buffers: list[torch.Tensor]) -> None:
         """Sum ``buffers`` over the quorum (a replica outside it sends zeros: torchft's
         own rule); torchft records a failure instead of raising it, for the vote."""
         try:
