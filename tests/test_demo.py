@@ -232,23 +232,25 @@ def _session_processes(session_id):
 
 def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends(tmp_path):
     done = subprocess.run(
-        [*DEMO, "--world-size", "3", "--steps", "60", "--algorithms", "diloco,diloco_ft", "--kill-worker", "30",
-         "--output", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=ENV,
+        [*DEMO, "--world-size", "3", "--steps", "60", "--algorithms", "diloco,diloco_ft,torchft_diloco",
+         "--kill-worker", "30", "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert done.returncode == 0, done.stderr
     runs = json.loads((tmp_path / "results.json").read_text())["algorithms"]
-    faults = runs["diloco_ft"]["faults"]
-    assert faults["killed"] == {"worker": 2, "step": 30, "last_commit_step": faults["killed"]["last_commit_step"]}
-    # the digits' period is 8 after 16 warm-up steps: its last commit was the synchronization at step 24
-    assert faults["killed"]["last_commit_step"] == 25
-    assert faults["rejoined"]["worker"] == 2 and 30 <= faults["rejoined"]["step"] < 60
-    assert 0 < faults["recovery_s"] < 30 and faults["steps_lost"] == faults["rejoined"]["step"] - 25
-    assert runs["diloco_ft"]["failed_syncs"] == 0  # the kill fell between synchronizations
-    # the run goes on: the model still learns the digits, near the run without a fault
-    assert runs["diloco_ft"]["eval_accuracy"] > 0.8
-    assert runs["diloco_ft"]["eval_loss"] < 1.25 * runs["diloco"]["eval_loss"]
-    assert "FAULTS (fault-tolerant algorithms):" in done.stdout and "worker 2 killed at step 30; rejoined" in done.stdout
+    # the digits' period is 8: diloco_ft's synchronizations after its 16 warm-up steps (each a commit) end steps
+    # 17, 25, 33...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
+    for algorithm, last_commit in (("diloco_ft", 25), ("torchft_diloco", 24)):
+        faults = runs[algorithm]["faults"]
+        assert faults["killed"] == {"worker": 2, "step": 30, "last_commit_step": last_commit}, algorithm
+        assert faults["rejoined"]["worker"] == 2 and 30 <= faults["rejoined"]["step"] < 60, algorithm
+        assert 0 < faults["recovery_s"] < 30 and faults["steps_lost"] == faults["rejoined"]["step"] - last_commit
+        assert runs[algorithm]["failed_syncs"] == 0, algorithm  # the kill fell between synchronizations
+        # the run goes on: the model still learns the digits, near the run without a fault
+        assert runs[algorithm]["eval_accuracy"] > 0.8, algorithm
+        assert runs[algorithm]["eval_loss"] < 1.25 * runs["diloco"]["eval_loss"], algorithm
+        assert f"{algorithm:14s} worker 2 killed at step 30; rejoined" in done.stdout
+    assert "FAULTS (fault-tolerant algorithms):" in done.stdout
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):

@@ -25,6 +25,8 @@ from puredist.demo.fault_tolerant import FAULT_TOLERANT
 from puredist.demo.training import ALGORITHMS, TASKS
 
 EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
+DEFAULT_FAULT_TOLERANT = ("diloco_ft",)
+"""Run by default where torchft is installed (``torchft_diloco`` is a comparison, on request)."""
 
 
 def _positive_int(text: str) -> int:
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
             "bf16 pseudo-gradients every H steps), streaming (DiLoCo in 2 fragments, each applied 2 "
             "steps after it starts), diloco_int8, diloco_int4, diloco_topk (int8, 4-bit, top-1% "
             "pseudo-gradients with error feedback), diloco_ft (diloco over torchft, one replica group per worker, "
-            "a lighthouse started here; with --kill-worker a worker is killed, restarts, heals and rejoins)."
+            "a lighthouse started here; with --kill-worker a worker is killed, restarts, heals and rejoins), "
+            "torchft_diloco (for comparison, on request: torchft's own DiLoCo with torch.optim, fp32 "
+            "pseudo-gradients, no warm-up)."
         ),
     )
     parser.add_argument("--world-size", type=_positive_int, default=4, help="worker processes (default 4)")
@@ -74,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--algorithms", type=_algorithms, default=None,
-        help=f"comma-separated subset of {','.join(EVERY_ALGORITHM)} (default: all; diloco_ft where torchft is "
-             "installed and the device is cpu)",
+        help=f"comma-separated subset of {','.join(EVERY_ALGORITHM)} (default: all but torchft_diloco; diloco_ft "
+             "where torchft is installed and the device is cpu)",
     )
     parser.add_argument(
         "--kill-worker", type=_positive_int, default=None, metavar="STEP",
-        help="kill the last worker of every fault-tolerant algorithm (diloco_ft) at this step; it restarts, heals "
+        help="kill the last worker of every fault-tolerant algorithm (diloco_ft, torchft_diloco) at this step; it restarts, heals "
              "from a peer and rejoins",
     )
     parser.add_argument("--output", type=Path, default=None,
@@ -129,9 +133,9 @@ def _choose_algorithms(args: argparse.Namespace) -> str | None:
     why the options cannot run, or None."""
     runs_ft = importlib.util.find_spec("torchft") is not None and args.device == "cpu"
     if args.algorithms is None:
-        args.algorithms = list(EVERY_ALGORITHM if runs_ft else ALGORITHMS)
+        args.algorithms = list(ALGORITHMS + DEFAULT_FAULT_TOLERANT if runs_ft else ALGORITHMS)
         if not runs_ft:
-            print(f"(not running {', '.join(FAULT_TOLERANT)}: " + ("it trains on the cpu only)" if args.device != "cpu"
+            print(f"(not running {', '.join(DEFAULT_FAULT_TOLERANT)}: " + ("it trains on the cpu only)" if args.device != "cpu"
                   else "it needs torchft: pip install 'puredist[ft]')"))
     fault_tolerant = [a for a in args.algorithms if a in FAULT_TOLERANT]
     if fault_tolerant and not runs_ft:
@@ -171,7 +175,8 @@ def _launch(args: argparse.Namespace) -> dict:
 
             print(f"  {algorithm:13s} (over torchft" + (f", worker {args.world_size - 1} killed at step "
                   f"{args.kill_worker})" if args.kill_worker else ")"), flush=True)
-            trained = fault_tolerant.run({**job, "world_size": args.world_size, "kill_step": args.kill_worker})
+            trained = fault_tolerant.run({**job, "algorithm": algorithm, "world_size": args.world_size,
+                                          "kill_step": args.kill_worker})
             for rank, result in trained.items():
                 results[rank][algorithm] = result
     return results

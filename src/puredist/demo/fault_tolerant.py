@@ -1,6 +1,8 @@
-"""The demo's fault-tolerant algorithm, ``diloco_ft``: ``diloco`` (outer Nesterov SGD,
-bf16 pseudo-gradients, every ``H`` steps) over torchft, one replica group per worker,
-surviving ``--kill-worker``.
+"""The demo's fault-tolerant algorithms, one replica group per worker over torchft,
+surviving ``--kill-worker``: ``diloco_ft``, ``diloco`` (outer Nesterov SGD, bf16
+pseudo-gradients, every ``H`` steps) made fault tolerant by :mod:`puredist.ft`; and,
+for comparison, ``torchft_diloco``, torchft's own ``DiLoCo`` with the same optimizers
+(:class:`_TorchftReplica`).
 
 torch's elastic launcher, which runs the other algorithms, stops every worker when
 one fails. Here the launcher process starts a torchft lighthouse and the workers
@@ -9,9 +11,9 @@ itself (spawned; each its own replica group, with a
 standby process. At STEP the last worker kills itself (``SIGKILL``, in the middle of
 its training, between two synchronizations); the others go on without it. The
 standby takes its place, as a scheduler restarting the worker would, without the
-seconds of a fresh interpreter: it joins the next quorum, heals from a peer
-(:class:`puredist.ft.FaultTolerantOuter`: step, global copy, outer state) and trains
-on to the end with fresh minibatches of the worker's shard.
+seconds of a fresh interpreter: it joins the next quorum, heals from a peer (step,
+global copy, outer state; torchft's DiLoCo also the model and the inner optimizer's
+state) and trains on to the end with fresh minibatches of the worker's shard.
 
 Evaluations: at each evaluation step every worker sends its parameters to the
 launcher through its pipe, and the launcher evaluates their average (of the workers
@@ -41,8 +43,9 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad_and_value
 
-FAULT_TOLERANT = ("diloco_ft",)
-"""The demo's algorithms that run over torchft (needs ``puredist[ft]``, CPU only)."""
+FAULT_TOLERANT = ("diloco_ft", "torchft_diloco")
+"""The demo's algorithms that run over torchft (needs ``puredist[ft]``, CPU only);
+``torchft_diloco`` (torchft's own DiLoCo) runs only when asked for, as a comparison."""
 RUN_TIMEOUT_S = 1800.0
 QUORUM_TIMEOUT = timedelta(seconds=300)
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
@@ -66,36 +69,125 @@ def _batches(task, shard, seed: int, index: int, step: int) -> torch.Generator:
     return batches
 
 
+class _PuredistReplica:
+    """``diloco_ft``: puredist's functional inner optimizer and DiLoCo transform, made
+    fault tolerant by :class:`puredist.ft.FaultTolerantOuter` (a heal hands over step,
+    global copy and outer state; the inner optimizer's state is this worker's own)."""
+
+    def __init__(self, job: dict[str, Any], task, model: torch.nn.Module, manager) -> None:
+        import puredist
+        from puredist.demo.task import cross_entropy
+        from puredist.demo.training import OUTER_OPTIONS
+        from puredist.ft import FaultTolerantOuter
+
+        self.params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self._optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
+        self._inner_state = self._optimizer.init(self.params)
+        self._transform = puredist.outer_optimizer(puredist.sgd(**OUTER_OPTIONS), sync_every=task.period,
+                                                   warmup_steps=task.warmup_steps, comm_dtype=torch.bfloat16)
+        self._outer = FaultTolerantOuter(self._transform, manager)
+        self._state = self._transform.init(self.params)
+        self._loss = lambda p, inputs, targets: cross_entropy(functional_call(model, p, (inputs,)), targets)
+
+    @property
+    def step(self) -> int:
+        return self._state.step
+
+    @property
+    def heals(self) -> int:
+        return self._outer.heals
+
+    @property
+    def failed(self) -> int:
+        return self._outer.failed
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        grads, loss = grad_and_value(self._loss)(self.params, inputs, targets)
+        self._inner_state = self._optimizer.update_(self.params, grads, self._inner_state)
+        self._state = self._outer.update_(self.params, self._state)
+        return loss
+
+    def state(self) -> dict[str, Any]:
+        return {"optimizer": self._inner_state, "averager": self._state}
+
+
+class _TorchftReplica:
+    """``torchft_diloco``, for comparison: torchft's own ``DiLoCo`` (fp32
+    pseudo-gradients, no warm-up) around ``torch.optim`` inner and outer optimizers
+    with the same hyper-parameters as ``diloco_ft``. The model and the inner
+    optimizer's state are registered with the manager as torchft's DiLoCo example
+    does, so a heal hands them over with the fragment's global copy and outer state.
+
+    Its step is the manager's commits times ``H`` plus the inner steps since the last
+    synchronization; a failed synchronization restores the global copy (torchft's
+    rule), taking the step back to the last commit."""
+
+    def __init__(self, job: dict[str, Any], task, model: torch.nn.Module, manager) -> None:
+        from torchft.local_sgd import DiLoCo
+
+        from puredist.demo.task import cross_entropy
+        from puredist.demo.training import OUTER_OPTIONS
+
+        self._model, self._manager, self._period = model, manager, task.period
+        self.params = dict(model.named_parameters())
+        inner_class = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[task.optimizer]
+        self._inner = inner_class(model.parameters(), **task.optimizer_options)
+        self._outer = torch.optim.SGD(model.parameters(), **OUTER_OPTIONS)
+        self.heals = self.failed = 0
+        manager.register_state_dict_fn("model", self._load, self._save)
+        self._diloco = DiLoCo(manager, [model], self._inner, self._outer, sync_every=task.period).__enter__()
+        self._local_steps = 0
+        self._loss = lambda inputs, targets: cross_entropy(model(inputs), targets)
+
+    def _save(self) -> dict[str, Any]:
+        return {"model": self._model.state_dict(), "inner": self._inner.state_dict()}
+
+    def _load(self, saved: dict[str, Any]) -> None:
+        self._model.load_state_dict(saved["model"])
+        self._inner.load_state_dict(saved["inner"])
+        self.heals += 1
+
+    @property
+    def step(self) -> int:
+        return self._manager.current_step() * self._period + self._local_steps
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        commits = self._manager.current_step()
+        self._inner.zero_grad()
+        loss = self._loss(inputs, targets)
+        loss.backward()
+        self._inner.step()  # its post-hook synchronizes every H steps
+        self._local_steps = (self._local_steps + 1) % self._period
+        if self._local_steps == 0 and self._manager.current_step() == commits:
+            self.failed += 1
+        return loss.detach()
+
+    def state(self) -> dict[str, Any]:
+        return {"inner": self._inner.state_dict(), "outer": self._outer.state_dict()}
+
+
+REPLICAS = {"diloco_ft": _PuredistReplica, "torchft_diloco": _TorchftReplica}
+
+
 def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, store_port: int, pipe) -> dict[str, Any]:
     """One worker's training over torchft: what ``training.train`` returns, per step
     (``None`` where this process did not take the step), and its evaluations sent
     to the launcher through ``pipe``."""
-    import puredist
-    from puredist.demo.task import cross_entropy
-    from puredist.demo.training import OUTER_OPTIONS, TASKS, tensor_bytes
+    from puredist.demo.training import TASKS, tensor_bytes
     from puredist.demo.wire import bytes_written
-    from puredist.ft import FaultTolerantOuter, replica_manager
+    from puredist.ft import replica_manager
 
     task, world_size, seed, steps = TASKS[job["task"]], job["world_size"], job["seed"], job["steps"]
     shard, _ = task.load(seed, index, world_size)
     model = task.make_model(seed)
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
-    inner_state = optimizer.init(params)
-    transform = puredist.outer_optimizer(puredist.sgd(**OUTER_OPTIONS), sync_every=task.period,
-                                         warmup_steps=task.warmup_steps, comm_dtype=torch.bfloat16)
     manager = replica_manager(f"worker{index}", lighthouse, min_replicas=1, timeout=COLLECTIVE_TIMEOUT,
                               quorum_timeout=QUORUM_TIMEOUT)
-    outer = FaultTolerantOuter(transform, manager)
-    state = transform.init(params)
+    replica = REPLICAS[job["algorithm"]](job, task, model, manager)
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False, timeout=QUORUM_TIMEOUT)
     if not restarted:  # every first worker's manager is up before the first quorum: it takes them all
         store.add("up", 1)
         while int(store.add("up", 0)) < world_size:
             time.sleep(0.01)
-
-    def loss_fn(p, inputs, targets):
-        return cross_entropy(functional_call(model, p, (inputs,)), targets)
 
     kill_at = job["kill_step"] if index == world_size - 1 and not restarted else None
     eval_every = max(1, steps // 15)
@@ -104,40 +196,39 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     last_commit = 0
     started = time.perf_counter()
     mark = bytes_written()
-    while state.step < steps:
-        if state.step + 1 == kill_at:
+    while replica.step < steps:
+        if replica.step + 1 == kill_at:
             pipe.send(("killed", index, kill_at, last_commit, time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         inputs, targets = task.sample(shard, batches)
         step_started = time.perf_counter()
-        grads, loss = grad_and_value(loss_fn)(params, inputs, targets)
-        inner_state = optimizer.update_(params, grads, inner_state)
-        heals, commits, before = outer.heals, manager.current_step(), state.step
-        state = outer.update_(params, state)
+        heals, commits, before = replica.heals, manager.current_step(), replica.step
+        loss = replica.train_step(inputs, targets)
         if manager.current_step() != commits:
-            last_commit = state.step
-        if restarted and heals == 0 and outer.heals == 1:  # the restarted worker's own heal, once
+            last_commit = replica.step
+        if restarted and heals == 0 and replica.heals == 1:  # the restarted worker's own heal, once
             store.add("members", 1)  # before its next synchronization: the peers wait for it at the end
-            pipe.send(("rejoined", index, state.step, time.time()))
-        if outer.heals != heals:
-            batches = _batches(task, shard, seed, index, state.step)  # its data resumes at its peers' step
-        if state.step == before:  # a failed synchronization: nothing applied, taken again at the next step
-            continue
-        k = state.step - 1  # the step this one counts as (a heal jumps to its peers')
+            pipe.send(("rejoined", index, replica.step, time.time()))
+        if replica.heals != heals:
+            batches = _batches(task, shard, seed, index, replica.step)  # its data resumes at its peers' step
+        if restarted and replica.heals == 0:
+            continue  # not yet healed (torchft's DiLoCo asks for a quorum only after H steps of its own)
+        if replica.step <= before:
+            continue  # a failed synchronization: nothing applied, taken again
+        k = replica.step - 1  # the step this one counts as (a heal jumps to its peers')
         step_seconds[k], losses[k] = time.perf_counter() - step_started, loss.item()
         now = bytes_written()
         step_bytes[k], mark = now - mark, now
-        if state.step % eval_every == 0 or state.step == steps:
-            pipe.send(("eval", index, state.step, _to_bytes(params)))
+        if replica.step % eval_every == 0 or replica.step == steps:
+            pipe.send(("eval", index, replica.step, _to_bytes({n: p.detach() for n, p in replica.params.items()})))
     wall = time.perf_counter() - started
     store.add("done", 1)
     while int(store.add("done", 0)) < int(store.add("members", 0)):  # no peer leaves while another may still
         time.sleep(0.01)  # synchronize (the members: the workers alive, and a restarted one once it rejoined)
     manager.shutdown(wait=False)
     return {"losses": losses, "bytes_sent": sum(b for b in step_bytes if b is not None), "wall_s": wall,
-            "step_seconds": step_seconds, "step_bytes": step_bytes,
-            "state_bytes": tensor_bytes({"optimizer": inner_state, "averager": state}),
-            "failed_syncs": outer.failed, "heals": outer.heals}
+            "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(replica.state()),
+            "failed_syncs": replica.failed, "heals": replica.heals}
 
 
 def _worker(job: dict[str, Any], index: int | None, lighthouse: str, store_port: int, pipe) -> None:
@@ -229,7 +320,7 @@ class _Launcher:
 
 
 def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Train ``diloco_ft`` with ``job["world_size"]`` workers (and, with
+    """Train ``job["algorithm"]`` (one of :data:`FAULT_TOLERANT`) with ``job["world_size"]`` workers (and, with
     ``job["kill_step"]``, the kill and the restart); return per worker what
     ``training.train`` returns (evaluations of the workers' average, computed here),
     with ``faults`` (``killed``, ``rejoined``, ``recovery_s``, ``steps_lost``: the
