@@ -235,7 +235,9 @@ def _peer_dies_in(phase, rank, world_size):
     try:
         averager.update(x, state, collective=puredist.DistributedCollective())
     except puredist.CollectiveError as error:
-        return "No tensor holds a partial result" in str(error) and error.completed_elements == (0,)
+        stage = {"_exchanged_chunks": "its all-to-all (phase 1)", "_gathered_payloads": "its all-gather (phase 2)"}[phase]
+        return (f"failed in {stage}" in str(error) and "No tensor holds a partial result" in str(error)
+                and error.completed_elements == (0,)) or str(error)
     return "returned normally"
 
 

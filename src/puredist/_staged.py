@@ -60,12 +60,13 @@ class CollectiveError(RuntimeError):
             to continue from.
     """
 
-    def __init__(self, what: str, completed_elements: Sequence[int], totals: Sequence[int], failed_bucket: int | None, buckets: int, cause: BaseException):
+    def __init__(self, what: str, completed_elements: Sequence[int], totals: Sequence[int], failed_bucket: int | None,
+                 buckets: int, cause: BaseException, *, stage: str = "the rank check"):
         self.completed_elements = tuple(completed_elements)
         self.failed_bucket = failed_bucket
         self.buckets = buckets
         self.state = None
-        where = "in the rank check" if failed_bucket is None else f"in bucket {failed_bucket + 1} of {buckets}"
+        where = f"in {stage}" if failed_bucket is None else f"in bucket {failed_bucket + 1} of {buckets}"
         super().__init__(
             f"{what} failed {where} ({type(cause).__name__}: "
             f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''}). No tensor holds a partial "
@@ -100,9 +101,12 @@ def _progress(completed: Sequence[int], totals: Sequence[int]) -> str:
     return "; ".join(parts) if parts else "there was nothing to change"
 
 
-def nothing_changed(tensors: Sequence[torch.Tensor], what: str, cause: BaseException) -> CollectiveError:
-    """The error for a collective that failed before any bucket (the rank check)."""
-    return CollectiveError(what, [0] * len(tensors), [t.numel() for t in tensors], None, 0, cause)
+def nothing_changed(tensors: Sequence[torch.Tensor], what: str, cause: BaseException, *,
+                    stage: str = "the rank check") -> CollectiveError:
+    """The error for a collective that failed with nothing written: before any bucket
+    (the rank check), or at another ``stage`` that writes only once it has succeeded
+    (a torchft step's quorum, all-reduce or vote)."""
+    return CollectiveError(what, [0] * len(tensors), [t.numel() for t in tensors], None, 0, cause, stage=stage)
 
 
 class BucketSpec(NamedTuple):

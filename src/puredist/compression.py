@@ -362,7 +362,7 @@ def _two_phase_mean(
             stand_in = next(p for p in payloads[0] if p is not None)  # the slot to oneself: never sent, never read
             received = _exchanged_chunks(_stacked([p if p is not None else stand_in for p in payloads[0]]), collective)
         except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
-            raise nothing_changed(leaves, "A compressed averaging's all-to-all", error) from error
+            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-to-all (phase 1)") from error
         mine = collective.rank
         means = [_mean_in_rank_order(
             [kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)]
@@ -376,7 +376,7 @@ def _two_phase_mean(
         try:
             gathered = _gathered_payloads(final_payloads[0], collective)
         except RuntimeError as error:
-            raise nothing_changed(leaves, "A compressed averaging's all-gather", error) from error
+            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather (phase 2)") from error
         decoded = [finals[0] if c == collective.rank else compressor.decode(p, chunk) for c, p in enumerate(gathered)]
     left = chunks - kept
     for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost

@@ -215,7 +215,7 @@ class ManagerCollective:
                 gathered.append(outputs)
         except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
             self.manager.report_error(cause)
-        self._commit(tensors, what)
+        self._commit(tensors, what, "the gather")
         _raise_if_healed(role, what)
         flags, *columns = gathered
         contributes = torch.cat(flags).tolist()  # (one host read)
@@ -240,7 +240,7 @@ class ManagerCollective:
                     buffer.div_(contributors)
             buffers.append(buffer)
         self._all_reduce(buffers)
-        self._commit(given, what)
+        self._commit(given, what, "the data all-reduce")
         _raise_if_healed(role, what)
         if not write_back:
             return
@@ -265,7 +265,7 @@ class ManagerCollective:
         except Exception as cause:  # noqa: BLE001 - the quorum's error (a timeout), with what it left: nothing
             # torchft's next start_quorum would re-raise this failed quorum's error for good: forget it
             self.manager._quorum_future = None
-            raise nothing_changed(given, what, cause) from cause
+            raise nothing_changed(given, what, cause, stage="torchft's quorum") from cause
         if self.manager.current_step() == before:
             return _MEMBER
         if self.restart_on_heal:  # healed: the manager took a peer's step and state
@@ -282,7 +282,7 @@ class ManagerCollective:
                             1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
         self._all_reduce([row])
         if self.manager.errored() is not None:
-            self._commit(given, what)  # votes against, and raises
+            self._commit(given, what, "the rank check")  # votes against, and raises
         members, s1, q1, s2, q2, count = (int(v) for v in row.tolist())
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
             reason = ("no replica contributes (every one is healing)" if count < 1 else
@@ -312,13 +312,17 @@ class ManagerCollective:
             self.manager.report_error(cause)
             return False
 
-    def _commit(self, given, what: str) -> None:
+    def _commit(self, given, what: str, stage: str) -> None:
         """Raise :class:`~puredist.CollectiveError` (nothing changed) unless the replica
-        groups commit this step (an error recorded votes against)."""
+        groups commit this step: failed in ``stage`` where this replica recorded an
+        error (which votes against), else in the vote."""
         if self._vote():
             return
         error = self.manager.errored()
-        cause = error.original_exception if error is not None else RuntimeError(
-            "the replica groups voted not to commit (fewer replicas than min_replica_size, or an error elsewhere)"
-        )
-        raise nothing_changed(given, what, cause) from cause
+        if error is None:
+            cause, stage = RuntimeError(
+                "the replica groups voted not to commit (fewer replicas than min_replica_size, or an error elsewhere)"
+            ), "the vote"
+        else:
+            cause = error.original_exception
+        raise nothing_changed(given, what, cause, stage=stage) from cause
