@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 import puredist
-from puredist.ft import FaultTolerantOuter, ManagerCollective, replica_manager
+from puredist.ft import FaultTolerantOuter, HealFailed, ManagerCollective, replica_manager
 
 SYNC_EVERY = 3
 
@@ -142,11 +142,22 @@ def compressed_averaging(manager, spec: dict) -> None:
 def train(manager, store, spec: dict) -> None:
     """DiLoCo with the spec's faults; save what it ends with."""
     transform = make_transform(spec.get("compressed", False))
+    failing_loads = [spec.get("heal_load_fails", 0)]
+    if failing_loads[0]:  # the first heals cannot load the peer's state
+        load_state_dict = transform.load_state_dict
+
+        def failing_load_state_dict(*args, **kwargs):
+            if failing_loads[0]:
+                failing_loads[0] -= 1
+                raise ValueError("injected: the peer's state does not load")
+            return load_state_dict(*args, **kwargs)
+
+        transform = transform._replace(load_state_dict=failing_load_state_dict)
     ft = FaultTolerantOuter(transform, manager)
     params = make_params()
     state = transform.init(params)
     failures_changed_nothing = True
-    worlds = []
+    worlds, heal_errors = [], []
     while state.step < spec["steps"]:
         step = state.step
         if step == spec.get("die_at"):
@@ -157,7 +168,15 @@ def train(manager, store, spec: dict) -> None:
             time.sleep(spec["slow_s"])
         local_step(params, spec["index"], step)
         before = _snapshot(state)
-        new = ft.update_(params, state)
+        try:
+            new = ft.update_(params, state)
+        except HealFailed as error:
+            failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
+            try:
+                ft.update_(params, state)
+            except HealFailed as again:  # raised again, communicating nothing
+                heal_errors = [str(error), again is error, type(error.__cause__).__name__]
+            break
         if new is state:
             failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
         else:
@@ -166,7 +185,7 @@ def train(manager, store, spec: dict) -> None:
     torch.save({
         "step": state.step, "global": list(state.global_params), "outer": _snapshot(state)[len(state.global_params):],
         "params": dict(params), "failed": ft.failed, "heals": ft.heals, "worlds": worlds,
-        "failures_changed_nothing": failures_changed_nothing,
+        "failures_changed_nothing": failures_changed_nothing, "heal_errors": heal_errors,
         "last_error": repr(ft.last_error) if ft.last_error is not None else None,
     }, spec["out"])
 

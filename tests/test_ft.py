@@ -130,6 +130,19 @@ def test_a_replica_killed_between_synchronizations_leaves_the_other_going_and_re
     assert all(torch.equal(x, y) for x, y in zip(a["outer"], b["outer"]))
 
 
+def test_a_heal_whose_state_does_not_load_stops_that_replica_and_its_peer_goes_on(replicas):
+    replicas.start("a", 0, wait_for=["up.b"], pause_at=13, pause_until="up.b2", steps=30)
+    replicas.start("b", 1, wait_for=["up.a"], die_at=7)
+    assert replicas.wait("b") == 3
+    replicas.start("b2", 1, steps=30, heal_load_fails=1)
+    a, b = replicas.result("a"), replicas.result("b2")
+    message, same_error_again, cause = b["heal_errors"]
+    assert "the peer's state did not load (ValueError: injected" in message and "restart the replica group" in message
+    assert same_error_again and cause == "ValueError" and b["failures_changed_nothing"] and b["heals"] == 0
+    # a waited for b2 in that synchronization until its timeout: it failed, changing nothing; then a went on alone
+    assert a["failed"] == 1 and a["failures_changed_nothing"] and a["step"] == 30 and a["worlds"][-1] == 1
+
+
 def test_a_replica_killed_inside_a_synchronization_changes_nothing_on_the_survivor(replicas):
     # all-reduces: 1 = the initial check at step 0; then two per synchronization (rank check, data), at steps
     # 1, 4, 7, ...: 5 is the data all-reduce of the synchronization at step 4

@@ -105,7 +105,7 @@ class ManagerCollective:
             )
         self.manager = manager
         self.restart_on_heal = restart_on_heal
-        self._quorum_open = False  # a heal left the quorum open for the next reduction (its replay)
+        self._open_role: str | None = None  # a heal left its quorum open: the next reduction's role in it
         self._world_size = 0
 
     @property
@@ -256,9 +256,9 @@ class ManagerCollective:
         its reduction); return this replica's role in it. Where the quorum heals it:
         with ``restart_on_heal`` raise :class:`Healed` at once, else take part as
         :data:`_HEALED`."""
-        if self._quorum_open:
-            self._quorum_open = False
-            return _REPLAYING
+        if self._open_role is not None:
+            role, self._open_role = self._open_role, None
+            return role
         before = self.manager.current_step()
         try:
             self.manager.start_quorum()
@@ -269,7 +269,7 @@ class ManagerCollective:
         if self.manager.current_step() == before:
             return _MEMBER
         if self.restart_on_heal:  # healed: the manager took a peer's step and state
-            self._quorum_open = True
+            self._open_role = _REPLAYING
             raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
         return _HEALED
 

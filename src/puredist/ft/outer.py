@@ -30,7 +30,12 @@ from puredist.ft.collective import Healed, ManagerCollective
 from puredist.outer.state import OuterState, OuterTransform
 from puredist.tree import PyTree
 
-__all__ = ["FaultTolerantOuter"]
+__all__ = ["FaultTolerantOuter", "HealFailed"]
+
+
+class HealFailed(RuntimeError):
+    """A replica healed from a peer, but the peer's state did not load (see
+    :meth:`FaultTolerantOuter.update_`); its ``__cause__`` is the load's error."""
 
 
 class FaultTolerantOuter:
@@ -52,6 +57,7 @@ class FaultTolerantOuter:
         failed: synchronizations that failed (nothing applied; each is run again).
         heals: times this replica took a peer's state.
         last_error: the last failure's error (``None``: none yet).
+        heal_failure: the :class:`HealFailed` this replica raised (``None``: none).
 
     Raises:
         ValueError: a transform with a delay, lower levels or no warm-up.
@@ -73,6 +79,7 @@ class FaultTolerantOuter:
         self.failed = 0
         self.heals = 0
         self.last_error: BaseException | None = None
+        self.heal_failure: HealFailed | None = None
         self._serving: OuterState | None = None
         self._received: dict[str, Any] | None = None
         manager.register_state_dict_fn(key, self._receive, self._serve)
@@ -96,13 +103,31 @@ class FaultTolerantOuter:
         Raises:
             RankMismatchError: the replicas passed different layouts or contexts.
             ValueError, TypeError: as the transform's ``update_``.
+            HealFailed: this replica healed but its peer's state did not load (or this
+                one failed so before): nothing was written; torchft counts the heal as
+                done (the manager took the peer's step), so this replica cannot rejoin
+                and every later ``update_`` raises the same, communicating nothing.
+                Restart the replica group: a new manager heals anew. Its peers fail
+                the one synchronization that waited for it and go on without it.
         """
+        if self.heal_failure is not None:
+            raise self.heal_failure
         self._serving = state
         while True:
             try:
                 return self.transform.update_(params, state, collective=self.collective)
             except Healed:  # nothing applied: run the peers' synchronization from their state
-                state = self._healed(params, state)
+                try:
+                    state = self._healed(params, state)
+                except Exception as cause:  # noqa: BLE001 - the load's error, kept as the cause
+                    self.heal_failure = HealFailed(
+                        f"This replica healed from a peer at torchft step {self.manager.current_step()}, but the "
+                        f"peer's state did not load ({type(cause).__name__}: {cause}); nothing was written. It "
+                        "cannot rejoin with this manager: restart the replica group."
+                    )
+                    self.heal_failure.__cause__ = cause
+                    self._received = None
+                    raise self.heal_failure from cause
             except CollectiveError as error:  # nothing applied
                 self.failed += 1
                 self.last_error = error
