@@ -17,6 +17,15 @@ DEMO = [sys.executable, "-m", "puredist", "demo"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def run_demo(output, *options: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """The main job with ``options``, writing into ``output``: the finished process
+    (asserted to have succeeded) and ``results.json``'s runs per algorithm."""
+    done = subprocess.run([*DEMO, *options, "--output", str(output)], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads((output / "results.json").read_text())["algorithms"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
@@ -231,13 +240,8 @@ def _session_processes(session_id):
 
 
 def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends(tmp_path):
-    done = subprocess.run(
-        [*DEMO, "--world-size", "3", "--steps", "60", "--algorithms", "diloco,diloco_ft,torchft_diloco",
-         "--kill-worker", "30", "--output", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=ENV,
-    )
-    assert done.returncode == 0, done.stderr
-    runs = json.loads((tmp_path / "results.json").read_text())["algorithms"]
+    done, runs = run_demo(tmp_path, "--world-size", "3", "--steps", "60", "--algorithms",
+                          "diloco,diloco_ft,torchft_diloco", "--kill-worker", "30", timeout=300)
     # the digits' period is 8: diloco_ft's synchronizations after its 16 warm-up steps (each a commit) end steps
     # 17, 25, 33...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
     for algorithm, last_commit in (("diloco_ft", 25), ("torchft_diloco", 24)):
@@ -251,6 +255,19 @@ def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends
         assert runs[algorithm]["eval_loss"] < 1.25 * runs["diloco"]["eval_loss"], algorithm
         assert f"{algorithm:14s} worker 2 killed at step 30; rejoined" in done.stdout
     assert "FAULTS (fault-tolerant algorithms):" in done.stdout
+
+
+def test_a_worker_killed_before_the_first_commit_rejoins_at_it(tmp_path):
+    # torchft heals only a replica that is behind: killed before any commit, the restart is not behind its peers,
+    # and it rejoins at their first commit (step H = 8) without a heal (or, if it missed that quorum, heals at
+    # the next)
+    _, runs = run_demo(tmp_path, "--world-size", "2", "--steps", "24", "--algorithms", "torchft_diloco",
+                       "--kill-worker", "5", timeout=120)
+    run = runs["torchft_diloco"]
+    assert run["faults"]["killed"] == {"worker": 1, "step": 5, "last_commit_step": 0}
+    rejoined = run["faults"]["rejoined"]
+    assert rejoined in ({"worker": 1, "step": 8}, {"worker": 1, "step": 16})
+    assert run["faults"]["steps_lost"] == rejoined["step"] and run["failed_syncs"] == 0
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):

@@ -163,7 +163,9 @@ class _TorchftReplica:
         return loss.detach()
 
     def state(self) -> dict[str, Any]:
-        return {"inner": self._inner.state_dict(), "outer": self._outer.state_dict()}
+        # DiLoCo's backup of the global copy (its fragment's original_parameters) is a copy of the parameters
+        return {"inner": self._inner.state_dict(), "outer": self._outer.state_dict(),
+                "global copy": [p.detach() for p in self.params.values()]}
 
 
 REPLICAS = {"diloco_ft": _PuredistReplica, "torchft_diloco": _TorchftReplica}
@@ -193,7 +195,7 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     eval_every = max(1, steps // 15)
     batches = _batches(task, shard, seed, index, 0)
     losses, step_seconds, step_bytes = [None] * steps, [None] * steps, [None] * steps
-    last_commit = 0
+    last_commit, joined = 0, not restarted
     started = time.perf_counter()
     mark = bytes_written()
     while replica.step < steps:
@@ -206,15 +208,18 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
         loss = replica.train_step(inputs, targets)
         if manager.current_step() != commits:
             last_commit = replica.step
-        if restarted and heals == 0 and replica.heals == 1:  # the restarted worker's own heal, once
+        # the restarted worker's first commit: healed from a peer, or (killed before any commit) alongside them
+        rejoined = not joined and (replica.heals != heals or manager.current_step() != commits)
+        if rejoined:
+            joined = True
             store.add("members", 1)  # before its next synchronization: the peers wait for it at the end
             pipe.send(("rejoined", index, replica.step, time.time()))
-        if replica.heals != heals:
+        if rejoined or replica.heals != heals:
             batches = _batches(task, shard, seed, index, replica.step)  # its data resumes at its peers' step
-        if restarted and replica.heals == 0:
-            continue  # not yet healed (torchft's DiLoCo asks for a quorum only after H steps of its own)
+        if not joined:
+            continue  # not yet in (torchft's DiLoCo asks for a quorum only after H steps of its own)
         if replica.step <= before:
-            continue  # a failed synchronization: nothing applied, taken again
+            continue  # a failed synchronization: nothing applied (torchft's goes back to its last commit)
         k = replica.step - 1  # the step this one counts as (a heal jumps to its peers')
         step_seconds[k], losses[k] = time.perf_counter() - step_started, loss.item()
         now = bytes_written()
@@ -260,7 +265,7 @@ class _Launcher:
         store.add("members", job["world_size"])
         self.pipes: dict[Any, Any] = {}  # our end of each process's pipe -> (process, index or None)
         self.results: dict[int, dict[str, Any]] = {}
-        self.evaluations: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self.evaluations: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # step -> worker -> parameters
         self.faults: dict[str, Any] = {}
 
     def start(self, index: int | None) -> None:
@@ -297,7 +302,8 @@ class _Launcher:
         kind, index, *rest = message
         if kind == "eval":
             step, saved = rest
-            self.evaluations.setdefault(step, []).append(torch.load(io.BytesIO(saved)))
+            # a step taken again (torchft's DiLoCo after a failed synchronization): its last parameters count
+            self.evaluations.setdefault(step, {})[index] = torch.load(io.BytesIO(saved))
         elif kind == "killed":
             step, last_commit, when = rest
             self.faults["killed"] = {"worker": index, "step": step, "last_commit_step": last_commit, "time": when}
@@ -355,7 +361,8 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for index in range(job["world_size"]):  # a worker killed that never rejoined: nothing measured after its death
         results.setdefault(index, {"losses": [], "bytes_sent": 0, "wall_s": 0.0, "step_seconds": [0.0] * job["steps"],
                                    "step_bytes": [0] * job["steps"], "state_bytes": 0, "failed_syncs": 0, "heals": 0})
-    for step, sent in sorted(launcher.evaluations.items()):
+    for step, by_worker in sorted(launcher.evaluations.items()):
+        sent = list(by_worker.values())
         averaged = {name: torch.stack([params[name] for params in sent]).mean(0) for name in sent[0]}
         loss, accuracy = held_out(model, averaged, test)
         for result in results.values():
