@@ -7,7 +7,9 @@ synchronizes with :class:`puredist.ft.FaultTolerantOuter`, and saves what it end
 with (step, global copy, outer state, counters) to ``spec["out"]``. Faults are
 injected here, as the spec says: exit before a step (``die_at``), exit inside the
 data all-reduce of a synchronization (``die_in_reduction``), or sleep before one
-(``slow_at``). Every failed synchronization is checked to have changed nothing.
+(``slow_at``). Every failed synchronization is checked to have changed nothing. With
+``spec["group"]`` the process is one rank of a replica group of several processes
+(torchrun's environment, the group's own store).
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ def main(spec: dict) -> None:
     torch.set_num_threads(1)
     store = torch.distributed.TCPStore("127.0.0.1", spec["port"], is_master=False, timeout=timedelta(seconds=60))
     store.wait(spec.get("start_after", []))  # (a late replica: no manager, so no heartbeat, before then)
-    manager = replica_manager(spec["id"], spec["lighthouse"], min_replicas=1, timeout=timedelta(seconds=spec["timeout"]),
-                              quorum_timeout=timedelta(seconds=60))
+    group = spec.get("group")  # one rank of a replica group of several, as torchrun would start it
+    if group is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(group["port"]), RANK=str(group["rank"]),
+                          WORLD_SIZE=str(group["size"]))
+    manager = replica_manager(group["name"] if group else spec["id"], spec["lighthouse"], min_replicas=1,
+                              timeout=timedelta(seconds=spec["timeout"]), quorum_timeout=timedelta(seconds=60))
     reductions = 0
     allreduce = manager.allreduce
 

@@ -84,9 +84,10 @@ def replicas(lighthouse, store, tmp_path):
     group.kill()
 
 
-def simulated(steps: int, replicas: int) -> puredist.OuterState:
+def simulated(steps: int, replicas: int, first: int = 0) -> puredist.OuterState:
     """The oracle: the same training with every replica in this process
-    (:class:`puredist.SimulatedCollective`, a leading replica axis)."""
+    (:class:`puredist.SimulatedCollective`, a leading replica axis), the replicas'
+    local steps those of indices ``first, first + 1, ...``."""
     transform = ft_replica.make_transform()
     params = {k: v.unsqueeze(0).repeat(replicas, *[1] * v.dim()) for k, v in ft_replica.make_params().items()}
     state = transform.init(params)
@@ -94,7 +95,7 @@ def simulated(steps: int, replicas: int) -> puredist.OuterState:
     for step in range(steps):
         for r in range(replicas):
             view = {k: v[r] for k, v in params.items()}
-            ft_replica.local_step(view, r, step)
+            ft_replica.local_step(view, first + r, step)
         state = transform.update_(params, state, collective=collective)
     return state
 
@@ -110,6 +111,52 @@ def test_replicas_synchronize_as_the_simulation_and_a_slow_one_is_waited_for(rep
         for mine, expected in zip(result["global"], oracle.global_params):
             torch.testing.assert_close(mine, expected[0], rtol=0, atol=0)  # the global copy is replicated
     assert all(torch.equal(x, y) for x, y in zip(a["outer"], b["outer"]))
+
+
+def test_replica_groups_of_two_ranks_synchronize_rank_by_rank_as_the_simulation(replicas):
+    # each group is two processes with torchrun's environment and a store of their own; rank r of one group
+    # reduces with rank r of the other (torchft's replica dimension). Rank 0 of group g steps as replica g,
+    # rank 1 as replica 2 + g (as shards of a model would differ), so each rank has an oracle of its own
+    group_stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    names = [f"g{g}r{r}" for g in range(2) for r in range(2)]
+    for name in names:
+        g, r = int(name[1]), int(name[3])
+        group = {"name": f"g{g}", "port": group_stores[g].port, "rank": r, "size": 2}
+        replicas.start(name, g + 2 * r, group=group, wait_for=[f"up.{other}" for other in names],
+                       finish_with=[other for other in names if other != name])
+    oracles = [simulated(24, 2, first=0), simulated(24, 2, first=2)]
+    for name in names:
+        result, oracle = replicas.result(name), oracles[int(name[3])]
+        assert result["step"] == 24 and result["failed"] == 0 and result["heals"] == 0
+        assert set(result["worlds"]) == {2}  # the groups, not the processes
+        expected = [*oracle.global_params, *(t for per_leaf in oracle.outer_state for t in per_leaf)]
+        assert len(result["global"]) + len(result["outer"]) == len(expected)
+        for mine, replicated in zip(result["global"] + result["outer"], expected):
+            torch.testing.assert_close(mine, replicated[0], rtol=0, atol=0)
+
+
+def test_a_replica_group_of_two_ranks_killed_and_restarted_heals_rank_by_rank(replicas):
+    stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(3)]
+
+    def start_group(g: int, store, suffix: str = "", **spec) -> list[str]:
+        names = [f"g{g}r{r}{suffix}" for r in range(2)]
+        for r, name in enumerate(names):
+            replicas.start(name, g + 2 * r, group={"name": f"g{g}", "port": store.port, "rank": r, "size": 2}, **spec)
+        return names
+
+    first = ["g0r0", "g0r1", "g1r0", "g1r1"]
+    survivors = start_group(0, stores[0], wait_for=[f"up.{n}" for n in first], pause_at=13, pause_until="up.g1r1b",
+                            finish_with=["g1r0b", "g1r1b"], steps=30)
+    dead = start_group(1, stores[1], wait_for=[f"up.{n}" for n in first], die_at=7)  # after the sync at step 6
+    assert [replicas.wait(name) for name in dead] == [3, 3]
+    restarted = start_group(1, stores[2], suffix="b", finish_with=survivors, steps=30)  # torchrun restarts it
+    for survivor, healed in zip(survivors, restarted):  # rank r healed from rank r
+        a, b = replicas.result(survivor), replicas.result(healed)
+        assert a["failed"] == 0 and b["heals"] == 1 and a["step"] == b["step"] == 30
+        assert 1 in a["worlds"] and a["worlds"][-1] == 2
+        assert all(torch.equal(x, y) for x, y in zip(a["global"] + a["outer"], b["global"] + b["outer"]))
+    a0, a1 = (replicas.result(name) for name in survivors)
+    assert not torch.equal(a0["global"][0], a1["global"][0])  # the ranks hold different values: no mixing
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
