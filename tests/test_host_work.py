@@ -10,7 +10,9 @@ plans a layout once):
   (``sys.setprofile``: comprehensions and generators count once per resumption) are
   the same for 8 leaves and for 64 leaves that fit the same bucket (a delayed DiLoCo
   synchronization is left out: on a CPU its snapshot of the local parameters is a
-  clone per leaf, one multi-tensor kernel on a GPU);
+  clone per leaf, one multi-tensor kernel on a GPU; so is compressed averaging, whose
+  leaves and residuals are still added and cut per leaf: 195 operations for 8 leaves,
+  867 for 64, in a DiLoCo synchronization with int8);
 - no tensor is formatted and no exception is raised inside puredist, over every
   public path that runs per step (the CPU counterpart of the CUDA suite's check for
   host synchronizations).
@@ -76,8 +78,11 @@ def _paths(leaves: int):
     diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
     streaming = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, fragments=2)
     sgd = puredist.sgd(1e-3, momentum=0.9, foreach=True)
+    zero = puredist.zero(puredist.sgd(1e-3, momentum=0.9, foreach=True))
+    plan = puredist.plan_zero([p.numel() for p in params], 2)
     states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
-              "sgd": sgd.init(params)}
+              "sgd": sgd.init(params), "sgd pure": sgd.init(params),
+              "zero": zero.init(params, plan=plan, rank=torch.distributed.get_rank())}
 
     def run(name, update):
         def call():
@@ -91,6 +96,8 @@ def _paths(leaves: int):
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),
         "streaming DiLoCo update_": run("streaming", lambda s: streaming.update_(params, s, collective=collective)),
         "sgd update_": run("sgd", lambda s: sgd.update_(params, grads, s)),
+        "sgd update (pure)": run("sgd pure", lambda s: sgd.update(params, grads, s)[1]),
+        "ZeRO update_": run("zero", lambda s: zero.update_(params, grads, s, collective=collective)),
     }
 
 

@@ -40,6 +40,7 @@ this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.out
 """
 
 import operator
+from itertools import repeat
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -429,10 +430,24 @@ out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements).
 def _steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
     """Whether a pure update runs :mod:`puredist._out_of_place`'s step: eagerly, where
     torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
-    gradients for all of them, no hyper-parameter a schedule."""
+    gradients for all of them, no hyper-parameter a schedule. (Every pass over the
+    leaves is a C-level ``map``: no Python frame per leaf.)"""
     return not (any(map(callable, hypers)) or torch.compiler.is_compiling()
-                or any(g is None or g.is_sparse for g in grads) or not runs_foreach(params, foreach, fused)
-                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, (p.dtype for p in params))))
+                or _any_none(grads) or any(map(_IS_SPARSE, grads)) or not runs_foreach(params, foreach, fused)
+                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, map(_DTYPE, params))))
+
+
+_IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtype")
+
+
+def _any_none(items: Sequence[object]) -> bool:
+    return any(map(operator.is_, items, repeat(None)))
+
+
+def _states_of(kind: type, *columns: Sequence[Any]) -> list[NamedTuple]:
+    """``[kind(*row) for row in zip(*columns)]``, the tuples built in C (a NamedTuple's
+    own constructor is a Python function: one frame per leaf)."""
+    return list(map(tuple.__new__, repeat(kind), zip(*columns)))
 
 
 _PureStep = Callable[[list[torch.Tensor], list[torch.Tensor], list[NamedTuple]], tuple[list, list] | None]
@@ -613,12 +628,12 @@ def sgd(
         if not has_momentum:
             return sgd_foreach(params, grads, None, lr=lr, momentum=0.0, weight_decay=weight_decay,
                                nesterov=nesterov, maximize=maximize)[0], list(states)
-        buffers = [getattr(s, "momentum_buffer", None) for s in states]
-        if any(b is None for b in buffers):
+        buffers = list(map(getattr, states, repeat("momentum_buffer"), repeat(None)))
+        if _any_none(buffers):
             return None
         new_params, new_buffers = sgd_foreach(params, grads, buffers, lr=lr, momentum=momentum,
                                               weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
-        return new_params, [SGDParamState(b) for b in new_buffers]
+        return new_params, _states_of(SGDParamState, new_buffers)
 
     def init_leaf(p: torch.Tensor) -> NamedTuple:
         counted = callable(lr) or callable(weight_decay) or callable(momentum) or (momentum and dampening)

@@ -21,12 +21,18 @@ Ties go to the lowest rank; equal sizes keep their index order.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
+
+
+@functools.lru_cache(maxsize=64)
+def _owned(owners: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    return tuple(i for i, owner in enumerate(owners) if owner == rank)
 
 
 @fields_documented
@@ -42,8 +48,9 @@ class ZeroPlan(NamedTuple):
     owners: tuple[int, ...]
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
-        """The indices of the parameters ``rank`` owns, increasing."""
-        return tuple(i for i, owner in enumerate(self.owners) if owner == rank)
+        """The indices of the parameters ``rank`` owns, increasing (worked out once per
+        plan and rank: ZeRO asks at every step)."""
+        return _owned(self.owners, rank)
 
     def loads(self, sizes: Sequence[int]) -> list[int]:
         """Elements owned by each rank, given each parameter's element count."""

@@ -148,7 +148,8 @@ def _step_owned(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, ind
     position = {index: k for k, index in enumerate(state.plan.owned_by(rank))}
     mine = [i for i in indices if state.plan.owners[i] == rank]
     new = optimizer.update_(
-        [leaves[i] for i in mine], [grad_leaves[i] for i in mine], tuple(state.owned[position[i]] for i in mine)
+        [leaves[i] for i in mine], [grad_leaves[i] for i in mine],
+        tuple(map(state.owned.__getitem__, map(position.__getitem__, mine))),
     )
     owned = list(state.owned)
     for i, s in zip(mine, new):
