@@ -28,6 +28,7 @@ faults.
 
 from __future__ import annotations
 
+import http.server
 import io
 import logging
 import multiprocessing
@@ -242,6 +243,8 @@ def _worker(job: dict[str, Any], index: int | None, lighthouse: str, store_port:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings about NCCL's flight recorder, on a CPU
+    # torchft's checkpoint server (http.server) writes a line per request to stderr: one per heal, amid the report
+    http.server.BaseHTTPRequestHandler.log_request = lambda *args, **kwargs: None
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch, reading a heal's bytes
     restarted = index is None
     if restarted:  # warm: everything imported and the data read, as a restart's would be from the page cache
