@@ -187,7 +187,8 @@ def train(manager, store, spec: dict) -> None:
             try:
                 ft.update_(params, state)
             except HealFailed as again:  # raised again, communicating nothing
-                heal_errors = [str(error), again is error, type(error.__cause__).__name__]
+                heal_errors = [str(error), str(again) == str(error) and again.__cause__ is error.__cause__,
+                               type(error.__cause__).__name__]
             break
         if new is state:
             failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))

@@ -86,6 +86,12 @@ def test_gpt2_small_plans_beat_torch_round_robin(world_size, bound):
     assert max(sizes) / even <= bound
 
 
+def test_owned_by_takes_a_plan_built_by_hand_with_a_list_of_owners():
+    from puredist.sharding import ZeroPlan
+
+    assert ZeroPlan(2, [0, 1, 0]).owned_by(0) == (0, 2) and ZeroPlan(2, (0, 1, 0)).owned_by(1) == (1,)
+
+
 def test_bad_plans_are_refused():
     with pytest.raises(ValueError, match="strategy.*'greedy'"):
         plan_zero([1, 2], 2, strategy="greedy")

@@ -50,7 +50,7 @@ class ZeroPlan(NamedTuple):
     def owned_by(self, rank: int) -> tuple[int, ...]:
         """The indices of the parameters ``rank`` owns, increasing (worked out once per
         plan and rank: ZeRO asks at every step)."""
-        return _owned(self.owners, rank)
+        return _owned(tuple(self.owners), rank)
 
     def loads(self, sizes: Sequence[int]) -> list[int]:
         """Elements owned by each rank, given each parameter's element count."""

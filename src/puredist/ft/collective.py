@@ -108,6 +108,11 @@ class ManagerCollective:
         self._open_role: str | None = None  # a heal left its quorum open: the next reduction's role in it
         self._world_size = 0
 
+    def abandon_replay(self) -> None:
+        """After :class:`Healed`, where the replay will not run: leave the quorum the
+        heal left open, so that no later reduction joins its peers' stale one."""
+        self._open_role = None
+
     @property
     def world_size(self) -> int:
         """The replicas that contributed to the last reduction (0 before the first)."""
@@ -280,6 +285,8 @@ class ManagerCollective:
         checked = 0.0 if role == _HEALED else 1.0
         row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
                             1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
+        if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
+            self._commit(given, what, "torchft's quorum")  # votes against, and raises
         self._all_reduce([row])
         if self.manager.errored() is not None:
             self._commit(given, what, "the rank check")  # votes against, and raises
@@ -314,15 +321,15 @@ class ManagerCollective:
 
     def _commit(self, given, what: str, stage: str) -> None:
         """Raise :class:`~puredist.CollectiveError` (nothing changed) unless the replica
-        groups commit this step: failed in ``stage`` where this replica recorded an
-        error (which votes against), else in the vote."""
+        groups commit this step: failed in ``stage`` where this replica had recorded
+        an error (which votes against), else in the vote (refused, or failed itself)."""
+        recorded = self.manager.errored()
         if self._vote():
             return
+        if recorded is None:
+            stage = "the vote"
         error = self.manager.errored()
-        if error is None:
-            cause, stage = RuntimeError(
-                "the replica groups voted not to commit (fewer replicas than min_replica_size, or an error elsewhere)"
-            ), "the vote"
-        else:
-            cause = error.original_exception
+        cause = error.original_exception if error is not None else RuntimeError(
+            "the replica groups voted not to commit (fewer replicas than min_replica_size, or an error elsewhere)"
+        )
         raise nothing_changed(given, what, cause, stage=stage) from cause

@@ -106,12 +106,13 @@ class FaultTolerantOuter:
             HealFailed: this replica healed but its peer's state did not load (or this
                 one failed so before): nothing was written; torchft counts the heal as
                 done (the manager took the peer's step), so this replica cannot rejoin
-                and every later ``update_`` raises the same, communicating nothing.
+                and every later ``update_`` raises it again (a new error, the same
+                message and cause), communicating nothing.
                 Restart the replica group: a new manager heals anew. Its peers fail
                 the one synchronization that waited for it and go on without it.
         """
-        if self.heal_failure is not None:
-            raise self.heal_failure
+        if self.heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
+            raise HealFailed(str(self.heal_failure)) from self.heal_failure.__cause__
         self._serving = state
         while True:
             try:
@@ -127,6 +128,7 @@ class FaultTolerantOuter:
                     )
                     self.heal_failure.__cause__ = cause
                     self._received = None
+                    self.collective.abandon_replay()
                     raise self.heal_failure from cause
             except CollectiveError as error:  # nothing applied
                 self.failed += 1
