@@ -1,7 +1,9 @@
 """Fault-tolerant DiLoCo over torchft, with a real lighthouse and replica groups as
 processes (``tests/ft_replica.py``): the synchronizations against a one-process
 simulation, a slow replica, replicas killed between and inside synchronizations,
-and a restarted replica healing to its peer's state bit for bit."""
+and a restarted replica healing to its peer's state bit for bit; and, over a stand-in
+manager that records failures as torchft does, where a failed quorum or vote is said to
+have failed."""
 
 from __future__ import annotations
 
@@ -293,3 +295,45 @@ def test_manager_collective_refuses_a_group_size_before_communicating():
         collective.mean_([torch.ones(3)], group_size=2)
     with pytest.raises(TypeError):
         collective.mean_([torch.ones(3, dtype=torch.int64)])
+
+
+class _RecordingManager:
+    """A stand-in for a torchft ``Manager`` at one replica, recording failures the way
+    torchft does (``report_error``, read back by ``errored``; a failed group setup
+    inside ``start_quorum`` is recorded, not raised), with a fault injected at the
+    quorum or the vote."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault, self.error = fault, None
+
+    def current_step(self) -> int:
+        return 0
+
+    def start_quorum(self) -> None:
+        if self.fault == "quorum":
+            self.report_error(RuntimeError("injected: the process group's setup failed"))
+
+    def report_error(self, error: Exception) -> None:
+        self.error = torchft.manager.ExceptionWithTraceback(error)
+
+    def errored(self):
+        return self.error
+
+    def allreduce(self, tensor, reduce_op):
+        class Done:
+            def wait(self):
+                return True
+        return Done()  # (torchft's all-reduce does nothing once an error is recorded; alone here, a sum is the tensor)
+
+    def should_commit(self) -> bool:
+        if self.fault == "vote":
+            raise RuntimeError("injected: should_commit failed after max_retries")
+        return self.error is None
+
+
+@pytest.mark.parametrize("fault, stage", [("quorum", "torchft's quorum"), ("vote", "the vote")])
+def test_a_failed_quorum_or_vote_is_named_and_changes_nothing(fault, stage):
+    tensor = torch.arange(4.0)
+    with pytest.raises(puredist.CollectiveError, match=f"failed in {stage} .*injected") as error:
+        ManagerCollective(_RecordingManager(fault)).mean_([tensor], context="x")
+    assert error.value.completed_elements == (0,) and torch.equal(tensor, torch.arange(4.0))
