@@ -427,6 +427,7 @@ _OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
 16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
 out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements)."""
 
+
 def _steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
     """Whether a pure update runs :mod:`puredist._out_of_place`'s step: eagerly, where
     torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
@@ -441,6 +442,7 @@ _IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtyp
 
 
 def _any_none(items: Sequence[object]) -> bool:
+    """Whether an item is ``None`` (C-level: no Python frame per item)."""
     return any(map(operator.is_, items, repeat(None)))
 
 
@@ -706,8 +708,8 @@ def _adam_family(
             maximize=maximize,
         )
         if amsgrad:
-            return new_params, [AMSGradParamState(*fields) for fields in zip(steps, exp_avgs, exp_avg_sqs, maxima)]
-        return new_params, [AdamParamState(*fields) for fields in zip(steps, exp_avgs, exp_avg_sqs)]
+            return new_params, _states_of(AMSGradParamState, steps, exp_avgs, exp_avg_sqs, maxima)
+        return new_params, _states_of(AdamParamState, steps, exp_avgs, exp_avg_sqs)
 
     check = lambda params, traced: _check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kill-worker", type=_positive_int, default=None, metavar="STEP",
-        help="kill the last worker of every fault-tolerant algorithm (diloco_ft, torchft_diloco) at this step; it restarts, heals "
-             "from a peer and rejoins",
+        help="kill the last worker of every fault-tolerant algorithm (diloco_ft, torchft_diloco) at this step; "
+             "it restarts, heals from a peer and rejoins",
     )
     parser.add_argument("--output", type=Path, default=None,
                         help="folder for demo.png and results.json (default out/demo, out/demo-lm for --task lm)")

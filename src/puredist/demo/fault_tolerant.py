@@ -75,7 +75,7 @@ class _PuredistReplica:
     fault tolerant by :class:`puredist.ft.FaultTolerantOuter` (a heal hands over step,
     global copy and outer state; the inner optimizer's state is this worker's own)."""
 
-    def __init__(self, job: dict[str, Any], task, model: torch.nn.Module, manager) -> None:
+    def __init__(self, task, model: torch.nn.Module, manager) -> None:
         import puredist
         from puredist.demo.task import cross_entropy
         from puredist.demo.training import OUTER_OPTIONS
@@ -84,10 +84,10 @@ class _PuredistReplica:
         self.params = {name: p.detach().clone() for name, p in model.named_parameters()}
         self._optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
         self._inner_state = self._optimizer.init(self.params)
-        self._transform = puredist.outer_optimizer(puredist.sgd(**OUTER_OPTIONS), sync_every=task.period,
-                                                   warmup_steps=task.warmup_steps, comm_dtype=torch.bfloat16)
-        self._outer = FaultTolerantOuter(self._transform, manager)
-        self._state = self._transform.init(self.params)
+        transform = puredist.outer_optimizer(puredist.sgd(**OUTER_OPTIONS), sync_every=task.period,
+                                             warmup_steps=task.warmup_steps, comm_dtype=torch.bfloat16)
+        self._outer = FaultTolerantOuter(transform, manager)
+        self._state = transform.init(self.params)
         self._loss = lambda p, inputs, targets: cross_entropy(functional_call(model, p, (inputs,)), targets)
 
     @property
@@ -123,7 +123,7 @@ class _TorchftReplica:
     synchronization; a failed synchronization restores the global copy (torchft's
     rule), taking the step back to the last commit."""
 
-    def __init__(self, job: dict[str, Any], task, model: torch.nn.Module, manager) -> None:
+    def __init__(self, task, model: torch.nn.Module, manager) -> None:
         from torchft.local_sgd import DiLoCo
 
         from puredist.demo.task import cross_entropy
@@ -185,7 +185,7 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     model = task.make_model(seed)
     manager = replica_manager(f"worker{index}", lighthouse, min_replicas=1, timeout=COLLECTIVE_TIMEOUT,
                               quorum_timeout=QUORUM_TIMEOUT)
-    replica = REPLICAS[job["algorithm"]](job, task, model, manager)
+    replica = REPLICAS[job["algorithm"]](task, model, manager)
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False, timeout=QUORUM_TIMEOUT)
     if not restarted:  # every first worker's manager is up before the first quorum: it takes them all
         store.add("up", 1)

@@ -2,8 +2,9 @@
 :class:`~puredist.Collective`.
 
 Each reduction (:meth:`ManagerCollective.mean_`, :meth:`ManagerCollective.check_replicated`,
-:meth:`ManagerCollective.all_gather_rows` for compressed payloads) is one torchft step: a new quorum (``start_quorum``: membership may change between
-reductions, a replica that is behind heals from a peer), a rank check, the
+:meth:`ManagerCollective.all_gather_rows` for compressed payloads) is one torchft
+step: a new quorum (``start_quorum``: membership may change between reductions, a
+replica that is behind heals from a peer), a rank check, the
 all-reduce, and the replica groups' vote (``should_commit``). The tensors are written
 only once the vote commits, so a replica that dies, a timeout or a vote against leave
 every tensor as it was and raise :class:`~puredist.CollectiveError` (nothing

@@ -45,7 +45,8 @@ class FaultTolerantOuter:
     Args:
         transform: from :func:`puredist.outer_optimizer`, synchronous (``delay=0``),
             without lower levels, with ``warmup_steps >= 1`` (then every ``update_``
-            runs at most one reduction: a healing replica joins its peers' first); with a compressor, the payloads are gathered (see
+            runs at most one reduction: a healing replica joins its peers' first);
+            with a compressor, the payloads are gathered (see
             :func:`puredist.compression.compressed_mean`) and a healed replica starts
             with zero residuals.
         manager: this replica group's ``torchft.manager.Manager``, as
@@ -126,7 +127,6 @@ class FaultTolerantOuter:
                         f"peer's state did not load ({type(cause).__name__}: {cause}); nothing was written. It "
                         "cannot rejoin with this manager: restart the replica group."
                     )
-                    self.heal_failure.__cause__ = cause
                     self._received = None
                     self.collective.abandon_replay()
                     raise self.heal_failure from cause

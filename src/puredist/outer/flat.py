@@ -23,8 +23,6 @@ This module must not communicate.
 
 from __future__ import annotations
 
-import operator
-from itertools import repeat
 from typing import NamedTuple, Sequence
 
 import torch
@@ -32,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
 from puredist._layout import layout_of
+from puredist.optim import _any_none
 from puredist.outer.config import OuterConfig
 
 
@@ -88,10 +87,6 @@ def flat_base(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if base.data_ptr() != tensors[0].data_ptr() or base.numel() * base.element_size() != layout.memo["tiles"]:
         return None
     return base
-
-
-def _any_none(items: Sequence[object]) -> bool:
-    return any(map(operator.is_, items, repeat(None)))  # C-level: no Python frame per item
 
 
 def _tile_bytes(tensors: Sequence[torch.Tensor]) -> int:
