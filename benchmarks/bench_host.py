@@ -54,6 +54,10 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
     unchecked = puredist.DistributedCollective(check_consistency=False)
     diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
     state = [diloco.init(diloco_params)]
+    int8_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    int8 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1,
+                                    compressor=puredist.int8_blocks())
+    int8_state = [int8.init(int8_params)]
 
     def bare():
         dist.all_reduce(flat)
@@ -61,6 +65,9 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
 
     def sync():
         state[0] = diloco.update_(diloco_params, state[0], collective=collective)
+
+    def int8_sync():
+        int8_state[0] = int8.update_(int8_params, int8_state[0], collective=collective)
 
     def body(of):
         return lambda: of._average_over(of.process_group, checked(params), async_op=False, context="")
@@ -77,6 +84,7 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
         methods["puredist average_"] = lambda: puredist.average_(params, collective=collective)
         methods["puredist average_, no rank check"] = lambda: puredist.average_(params, collective=unchecked)
         methods["DiLoCo sync"] = sync
+        methods["DiLoCo sync, int8"] = int8_sync
     return methods
 
 

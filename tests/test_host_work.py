@@ -10,9 +10,9 @@ plans a layout once):
   (``sys.setprofile``: comprehensions and generators count once per resumption) are
   the same for 8 leaves and for 64 leaves that fit the same bucket (a delayed DiLoCo
   synchronization is left out: on a CPU its snapshot of the local parameters is a
-  clone per leaf, one multi-tensor kernel on a GPU; so is compressed averaging, whose
-  leaves and residuals are still added and cut per leaf: 195 operations for 8 leaves,
-  867 for 64, in a DiLoCo synchronization with int8);
+  clone per leaf, one multi-tensor kernel on a GPU). The pure compressed averager
+  returns a new tensor per leaf: those are views of one buffer, cut in C++ (counted
+  apart: a fixed number of views per leaf, and nothing else grows);
 - no tensor is formatted and no exception is raised inside puredist, over every
   public path that runs per step (the CPU counterpart of the CUDA suite's check for
   host synchronizations).
@@ -77,10 +77,14 @@ def _paths(leaves: int):
     averager = puredist.hierarchical_averager({1: 2})
     diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
     streaming = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, fragments=2)
+    compressed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=1,
+                                          compressor=puredist.int8_blocks())
     sgd = puredist.sgd(1e-3, momentum=0.9, foreach=True)
     zero = puredist.zero(puredist.sgd(1e-3, momentum=0.9, foreach=True))
+    compressed_averager = puredist.compressed_averager(puredist.int8_blocks())
     plan = puredist.plan_zero([p.numel() for p in params], 2)
     states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
+              "compressed": compressed.init(params), "compressed averager": compressed_averager.init(params),
               "sgd": sgd.init(params), "sgd pure": sgd.init(params),
               "zero": zero.init(params, plan=plan, rank=torch.distributed.get_rank())}
 
@@ -95,6 +99,9 @@ def _paths(leaves: int):
         "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),
         "streaming DiLoCo update_": run("streaming", lambda s: streaming.update_(params, s, collective=collective)),
+        "DiLoCo update_ with int8": run("compressed", lambda s: compressed.update_(params, s, collective=collective)),
+        "compressed averager update (pure)": run(
+            "compressed averager", lambda s: compressed_averager.update(params, s, collective=collective)[1]),
         "sgd update_": run("sgd", lambda s: sgd.update_(params, grads, s)),
         "sgd update (pure)": run("sgd pure", lambda s: sgd.update(params, grads, s)[1]),
         "ZeRO update_": run("zero", lambda s: zero.update_(params, grads, s, collective=collective)),
@@ -109,15 +116,25 @@ def _work_per_call(rank, world_size):
                 call()
             with _CountingDispatch() as mode:
                 call()
-            counts[(name, leaves)] = (len(mode.ops), _python_calls(call))
+            views = sum(op in _VIEWS for op in mode.ops)
+            counts[(name, leaves)] = (len(mode.ops) - views, views, _python_calls(call))
     return counts
+
+
+_VIEWS = {"aten.view.default", "aten.slice.Tensor"}
+_NEW_TENSOR_PER_LEAF = {"compressed averager update (pure)": 6}
+"""Paths that return a new tensor per leaf, and the views per leaf they make in C++
+to cut them from one buffer and to lay the leaves end to end (nothing else)."""
 
 
 def test_the_work_per_call_does_not_grow_with_the_leaves():
     counts = run_workers(_work_per_call, 2)[0]
     for name in {name for name, _ in counts}:
-        (ops_small, calls_small), (ops_large, calls_large) = counts[(name, SMALL)], counts[(name, LARGE)]
+        (ops_small, views_small, calls_small), (ops_large, views_large, calls_large) = (
+            counts[(name, SMALL)], counts[(name, LARGE)])
         assert ops_large == ops_small, (name, ops_small, ops_large)
+        assert views_large - views_small == _NEW_TENSOR_PER_LEAF.get(name, 0) * (LARGE - SMALL), (
+            name, views_small, views_large)
         assert calls_large == calls_small, (name, calls_small, calls_large)
 
 

@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import puredist
 from puredist import SimulatedCollective
@@ -15,7 +16,7 @@ OUTER = dict(sync_every=3, warmup_steps=1, fragments=2)
 
 
 def diloco(**options):
-    return puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), **OUTER, **options)
+    return puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), **{**OUTER, **options})
 
 
 def drift(rank, step, replicas=None):
@@ -77,6 +78,65 @@ def test_real_ranks_equal_the_simulation_bit_for_bit():
     for rank, (params, residuals) in enumerate(real):
         assert all(torch.equal(p, s[rank]) for p, s in zip(params, simulated))
         assert all(torch.equal(r, s[rank]) for r, s in zip(residuals, state.residuals))
+
+
+def _one_flat_fragment_on_real_ranks(rank, world_size, delay):
+    from puredist.outer.flat import flat_base
+
+    transform = diloco(fragments=1, delay=delay, compressor=puredist.int8_blocks(16))
+    collective = puredist.DistributedCollective()
+    params, state = run(transform, initial(), collective, 6, rank=rank)
+    laid_flat = flat_base(state.residuals) is not None  # the one-tensor path ran (and kept its buffer)
+    buffer = io.BytesIO()
+    torch.save(transform.state_dict(state, rank=rank), buffer)
+    restored = transform.load_state_dict(transform.init(params), torch.load(io.BytesIO(buffer.getvalue())), rank=rank)
+    resumed, state = run(transform, [p.clone() for p in params], collective, 12, rank=rank, state=restored, first=6)
+    uninterrupted, _ = run(transform, initial(), collective, 12, rank=rank)
+    return laid_flat, flat_base(restored.residuals) is not None, resumed, uninterrupted, state.residuals
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_fragment_averaged_as_one_tensor_equals_the_simulation_bit_for_bit_and_resumes(delay):
+    # on real ranks a fragment of small leaves is laid out flat: its pseudo-gradients and residuals are each
+    # one tensor (host work independent of the leaves); the simulation runs leaf by leaf, an independent oracle
+    replicas = 2
+    real = run_workers(_one_flat_fragment_on_real_ranks, replicas, delay)
+    transform = diloco(fragments=1, delay=delay, compressor=puredist.int8_blocks(16))
+    simulated, state = run(transform, initial(replicas), SimulatedCollective(replicas), 12, replicas)
+    for rank, (laid_flat, relaid_flat, resumed, uninterrupted, residuals) in enumerate(real):
+        assert laid_flat and relaid_flat
+        assert all(torch.equal(p, s[rank]) for p, s in zip(uninterrupted, simulated))
+        assert all(torch.equal(p, s) for p, s in zip(resumed, uninterrupted))
+        assert all(torch.equal(r, s[rank]) for r, s in zip(residuals, state.residuals))
+        assert any(r.abs().max() > 0 for r in residuals)
+
+
+def _peer_dies_in_a_flat_sync(rank, world_size):
+    import os
+    import signal
+
+    import puredist.compression
+
+    transform = diloco(fragments=1, compressor=puredist.int8_blocks(16))
+    params, state = run(transform, initial(), puredist.DistributedCollective(), 4, rank=rank)  # residuals not zero
+    if rank == 1:  # passes the rank check and phase 1 of the next sync, then dies instead of sending phase 2
+        puredist.compression._gathered_payloads = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    for p, d in zip(params, drift(rank, 4)):
+        p.add_(d)
+    before = [t.clone() for t in (*params, *state.global_params, *state.residuals)]
+    with pytest.raises(puredist.CollectiveError, match=r"its all-gather \(phase 2\).*No tensor holds a partial"):
+        transform.update_(params, state, collective=puredist.DistributedCollective())
+    unchanged = all(torch.equal(a, b) for a, b in zip((*params, *state.global_params, *state.residuals), before))
+    survivors = puredist.DistributedCollective(dist.new_group([0, 2], use_local_synchronization=True))
+    state = transform.update_(params, state, collective=survivors)  # the same state, retried: completes
+    return unchanged, [torch.equal(r, b) for r, b in zip(state.residuals, before[-2:])]
+
+
+def test_a_peer_dying_in_a_flat_sync_leaves_the_state_passed_in_unchanged_and_a_retry_completes():
+    results = run_workers(_peer_dies_in_a_flat_sync, 3, victims=(1,), timeout=60, gloo_timeout=10)
+    for unchanged, residuals_equal in (results[0], results[2]):
+        assert unchanged
+        assert not all(residuals_equal)  # the retry moved the error feedback on
 
 
 def test_a_checkpoint_mid_run_resumes_bit_for_bit_and_stays_on_its_world_size():

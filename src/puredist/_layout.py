@@ -15,7 +15,8 @@ device makes a new key, which is validated and planned afresh. DTensors (their
 sharding is part of what must match) and tensors whose metadata cannot be read
 (sparse, functorch-wrapped) are not cached: a fresh :class:`Layout` serves one call.
 
-This module must not touch tensor values or talk to other ranks.
+This module must not touch tensor values or talk to other ranks (it makes views:
+:func:`views_like`).
 """
 
 from __future__ import annotations
@@ -112,3 +113,8 @@ def layout_of(tensors: Sequence[object]) -> Layout:
             del _CACHE[next(iter(_CACHE))]
         layout = _CACHE[key] = Layout(tensors, plain=True)
     return layout
+
+
+def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the 1-D ``flat`` shaped like ``like``, end to end (one C++ call)."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, list(like)))

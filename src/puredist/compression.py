@@ -39,13 +39,14 @@ This module must not keep state between calls: residuals go in and out explicitl
 """
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from puredist._consistency import REFUSED, RankMismatchError, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
+from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
@@ -221,12 +222,10 @@ def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
     return sum(chunks) / len(chunks)
 
 
-def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> bool:
-    """Raises on a non-float leaf or another kind of collective; True if simulated."""
-    for position, leaf in enumerate(leaves):
-        if not leaf.is_floating_point():
-            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
-        check_not_pending(leaf, "params", lambda: f"leaf {position}")
+def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
+    """Raises on a non-float leaf or another kind of collective (the leaves checked
+    once per ``layout``, theirs); True if simulated."""
+    layout.derived("compressible", lambda: _check_leaves(leaves))
     simulated = isinstance(collective, SimulatedCollective)
     if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective):
         raise TypeError(
@@ -234,6 +233,15 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective) -> b
             f"rows (puredist.ft.ManagerCollective), got {collective!r}."
         )
     return simulated
+
+
+def _check_leaves(leaves: list[torch.Tensor]) -> bool:
+    """Raise ``TypeError`` on a non-floating-point leaf, ``ValueError`` on a pending DTensor; True."""
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
+        check_not_pending(leaf, "params", lambda: f"leaf {position}")
+    return True
 
 
 def _gathers(collective: Collective) -> bool:
@@ -288,11 +296,13 @@ def compressed_mean(
         CollectiveError: the all-to-all or the all-gather failed (nothing was written;
             the residuals passed in are still the state to continue from).
     """
-    simulated = _check_compressible(leaves, collective)
+    layout = layout_of(leaves)
+    simulated = _check_compressible(leaves, collective, layout)
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]
-    world = collective.world_size
-    count = world if simulated else 1  # rows: one per (simulated) rank
+    if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1):
+        return _compressed_mean_plain(leaves, residuals, compressor, collective, context)
+    count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
     given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
     residuals = tuple(local_shard(r) for r in residuals)
     # all leaves in one flat row: blocks may span leaves
@@ -300,14 +310,62 @@ def compressed_mean(
         [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
         dim=1,
     )
+    mean, left = _mean_of_rows(rows, given, compressor, collective, simulated, leaves, residuals, context)
+    return _outputs(mean, left, leaves, given, residuals, count)
+
+
+def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
+                           collective: Collective, context: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`compressed_mean` of plain tensors of one dtype on a real rank: the row
+    made and cut by single C++ calls (host work per leaf in C, not in Python); the
+    means are views of one new buffer, and so are the residuals."""
+    flatten = torch._C._nn.flatten_dense_tensors  # (one tensor: a view of it, never written)
+    with torch.no_grad():
+        rows = (flatten(leaves).float() + flatten(list(residuals))).view(1, -1)
+    mean, left = _mean_of_rows(rows, leaves, compressor, collective, False, leaves, residuals, context)
+    return views_like(mean.to(leaves[0].dtype), leaves), views_like(left[0], residuals)
+
+
+def compressed_mean_flat_(
+    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: str,
+    leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
+) -> None:
+    """:func:`compressed_mean` of leaves laid end to end in one buffer, as one tensor
+    and in place: host work per call independent of the number of leaves.
+
+    Args:
+        flat: the leaves' buffer (1-D, floating point, plain), overwritten with their
+            mean once every collective succeeded.
+        residual: the leaves' residuals end to end (1-D fp32, ``flat``'s size),
+            overwritten with the new ones then.
+        leaves, residuals: the per-leaf views of the two, named in errors only.
+
+    Raises:
+        as :func:`compressed_mean`, with ``flat`` and ``residual`` as they were. The
+        rank check sees the one tensor: ranks must lay their leaves out alike.
+    """
+    _check_compressible([flat], collective, layout_of([flat]))
+    if not collective.is_member:
+        return
+    rows = (flat.float() + residual).view(1, -1)
+    mean, left = _mean_of_rows(rows, [flat], compressor, collective, False, leaves, residuals, context)
+    flat.copy_(mean)
+    residual.copy_(left[0])
+
+
+def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor: Compressor, collective: Collective,
+                  simulated: bool, leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
+                  context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of ``rows`` (``[count, numel]``: ``leaves`` plus their
+    ``residuals``, end to end): the rank check over ``given`` (with any rank's
+    non-finite values), then the phases of the module (or a torchft quorum's gather)."""
     finite = bool(torch.isfinite(rows).all())
     where = "" if finite else "inf or NaN in " + ", ".join(
         f"leaf {i}" for i, (leaf, residual) in enumerate(zip(leaves, residuals))
         if not torch.isfinite(leaf.detach().float() + residual).all()
     )
     if _gathers(collective):  # one torchft step; a replica's non-finite values make its context differ
-        mean, left = _gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
-        return _outputs(mean, left, leaves, given, residuals, count)
+        return _gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
     if not simulated:  # every rank learns whether any rank has a non-finite value
         try:
             collective.check_same_on_all_ranks(given, context=with_refusal(context, where), what="a compressed averaging")
@@ -317,11 +375,9 @@ def compressed_mean(
             raise
     if not finite:
         _raise_non_finite([f"this rank: {where}"], context)
-    if world == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
-        mean, left = rows[0], torch.zeros_like(rows)
-    else:
-        mean, left = _two_phase_mean(rows, compressor, collective, simulated, leaves)
-    return _outputs(mean, left, leaves, given, residuals, count)
+    if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
+        return rows[0], torch.zeros_like(rows)
+    return _two_phase_mean(rows, compressor, collective, simulated, leaves)
 
 
 def _outputs(mean: torch.Tensor, left: torch.Tensor, leaves, given, residuals, count: int):

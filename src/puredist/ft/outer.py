@@ -140,7 +140,9 @@ class FaultTolerantOuter:
         global copy written into ``params``; served from now on."""
         healed = self.transform.load_state_dict(state, self._received, rank=0)
         # a compressor's residuals are what the peer's own payloads lost: this replica starts without any
-        healed = healed._replace(residuals=tuple(torch.zeros_like(r) for r in healed.residuals))
+        # (zeroed where load_state_dict laid them out, flat or per leaf)
+        if healed.residuals:
+            torch._foreach_zero_(list(healed.residuals))
         self._received = None
         self.heals += 1
         leaves, _ = _float_leaves(params, in_place=True)

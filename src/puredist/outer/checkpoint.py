@@ -99,7 +99,12 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
         for i, leaf_state in enumerate(state.outer_state)
     ]
     global_params = list(global_params)
-    relaid_states(fragments, state.global_params, state.outer_state, global_params, outer_state)
+    residuals = [
+        saved[f"residual.{i}.rank{rank}"].to(device=r.device, dtype=torch.float32, copy=True)
+        for i, r in enumerate(state.residuals)
+    ]
+    relaid_states(fragments, state.global_params, state.outer_state, global_params, outer_state,
+                  state.residuals, residuals)
     in_flight = []
     for f, indices in enumerate(fragments):
         apply_step = int(saved[f"in_flight.{f}.apply_step"])
@@ -116,11 +121,7 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
             CollectiveHandle(),  # completed before it was saved
         ))
     in_flight.sort(key=lambda item: item.apply_step)
-    residuals = tuple(
-        saved[f"residual.{i}.rank{rank}"].to(device=r.device, dtype=torch.float32, copy=True)
-        for i, r in enumerate(state.residuals)
-    )
-    return OuterState(int(saved["step"]), tuple(global_params), tuple(outer_state), tuple(in_flight), residuals)
+    return OuterState(int(saved["step"]), tuple(global_params), tuple(outer_state), tuple(in_flight), tuple(residuals))
 
 def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
     """Raise ``ValueError`` unless ``saved`` is a state of this very transform that

@@ -39,8 +39,9 @@ class OuterConfig:
         lower_level: ``step -> index into lower_sizes`` of the lower level that
             averages at ``step``, or ``None``.
         same_place: the global copy is the parameters' own device and dtype and is
-            sent as it is, uncompressed: pseudo-gradients and write-backs are then
-            multi-tensor kernels over whole fragments.
+            sent in it (no ``comm_dtype``; a compressor encodes it as it is):
+            pseudo-gradients and write-backs are then multi-tensor kernels over
+            whole fragments.
         text: names the configuration in rank checks, errors and checkpoints.
     """
 
@@ -68,8 +69,7 @@ class OuterConfig:
             "offsets": tuple(f * self.sync_every // self.fragments for f in range(self.fragments)),
             "lower_sizes": tuple(lower.values()),
             "lower_level": hierarchical_schedule(tuple(lower), self.warmup_steps) if lower else _no_lower_level,
-            "same_place": (self.global_device is None and self.global_dtype is None and self.comm_dtype is None
-                           and self.compressor is None),
+            "same_place": self.global_device is None and self.global_dtype is None and self.comm_dtype is None,
             "text": (
                 f"outer_optimizer({self.outer.config or 'an optimizer built by hand'}, sync_every={self.sync_every}, "
                 f"warmup_steps={self.warmup_steps}, delay={self.delay}, fragments={self.fragments}, "

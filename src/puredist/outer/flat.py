@@ -11,7 +11,9 @@ and the outer state likewise when every field of it is shaped like the parameter
 (SGD's momentum; not a per-parameter step count). A synchronization then takes the
 pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), averages that one
 tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
-of a few per leaf. Elementwise, the results are those of the per-leaf path, bit for
+of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
+(:func:`flat_zeros`), and the fragment is compressed and averaged as one tensor
+(:func:`puredist.compression.compressed_mean_flat_`). Elementwise, the results are those of the per-leaf path, bit for
 bit.
 
 Whether a list of views still tiles its buffer is decided from the tensors'
@@ -29,14 +31,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
-from puredist._layout import layout_of
+from puredist._layout import layout_of, views_like
 from puredist.optim import _any_none
 from puredist.outer.config import OuterConfig
-
-
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``like``, end to end (one C++ call)."""
-    return list(torch._C._nn.unflatten_dense_tensors(flat, list(like)))
 
 
 _FLAT_MAX_LEAF_BYTES = 1 << 16
@@ -63,13 +60,13 @@ def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list
     the states are made per leaf)."""
     first = leaves[0]
     flat = torch.empty(sum(t.numel() for t in leaves), dtype=first.dtype, device=first.device)
-    copy = _views(flat, leaves)
+    copy = views_like(flat, leaves)
     with torch.no_grad():
         torch._foreach_copy_(copy, [t.detach() for t in leaves])
     (flat_state,) = config.outer.init([flat])
     if not all(isinstance(field, torch.Tensor) and field.shape == flat.shape for field in flat_state):
         return copy, list(config.outer.init(copy))  # e.g. a step count per parameter
-    columns = [_views(field, leaves) for field in flat_state]
+    columns = [views_like(field, leaves) for field in flat_state]
     return copy, [type(flat_state)(*(column[k] for column in columns)) for k in range(len(leaves))]
 
 
@@ -99,6 +96,12 @@ def _tile_bytes(tensors: Sequence[torch.Tensor]) -> int:
             return 0
         address += t.numel() * t.element_size()
     return address - first.data_ptr()
+
+
+def flat_zeros(leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zeros shaped like ``leaves``, in ``dtype``: views of one buffer, end to end
+    (a flat fragment's error-feedback residuals)."""
+    return views_like(torch.zeros(sum(t.numel() for t in leaves), dtype=dtype, device=leaves[0].device), leaves)
 
 
 def flat_state(states: Sequence[NamedTuple]) -> NamedTuple | None:
@@ -131,7 +134,7 @@ def flat_pseudo_gradient(global_flat: torch.Tensor, globals_: Sequence[torch.Ten
     entry = _SCRATCH.get(global_flat)
     if entry is None:
         buffer = torch.empty_like(global_flat)
-        entry = _SCRATCH[global_flat] = (buffer, tuple(_views(buffer, globals_)))
+        entry = _SCRATCH[global_flat] = (buffer, tuple(views_like(buffer, globals_)))
     buffer, views = entry
     with torch.no_grad():
         torch._foreach_copy_(list(views), list(locals_))
@@ -160,22 +163,30 @@ def relaid(template: Sequence[torch.Tensor], loaded: Sequence[torch.Tensor]) -> 
     base = None if _any_none(template) or _any_none(loaded) else flat_base(template)
     if base is None:
         return list(loaded)
-    views = _views(torch.empty_like(base), template)
+    views = views_like(torch.empty_like(base), template)
     with torch.no_grad():
         torch._foreach_copy_(views, list(loaded))
     return views
 
 
 def relaid_states(fragments: Sequence[Sequence[int]], template_globals: Sequence[torch.Tensor],
-                  template_states: Sequence[NamedTuple], globals_: list, states: list) -> None:
-    """Lay out each fragment's loaded global copy ``globals_`` and outer ``states``
-    (lists, replaced per leaf) as the template's: flat where it is flat, so that a
-    resumed run steps its fragments as one tensor again."""
+                  template_states: Sequence[NamedTuple], globals_: list, states: list,
+                  template_residuals: Sequence[torch.Tensor] = (), residuals: list | None = None) -> None:
+    """Lay out each fragment's loaded global copy ``globals_``, outer ``states`` and
+    error-feedback ``residuals`` (lists, replaced per leaf) as the template's: flat
+    where it is flat, so that a resumed run steps its fragments as one tensor again."""
     for indices in fragments:
-        for i, tensor in zip(indices, relaid([template_globals[i] for i in indices], [globals_[i] for i in indices])):
-            globals_[i] = tensor
+        _relaid_in(indices, template_globals, globals_)
+        if template_residuals:
+            _relaid_in(indices, template_residuals, residuals)
         for field in (template_states[indices[0]]._fields if template_states else ()):
             column = relaid([getattr(template_states[i], field) for i in indices],
                             [getattr(states[i], field) for i in indices])
             for i, tensor in zip(indices, column):
                 states[i] = states[i]._replace(**{field: tensor})
+
+
+def _relaid_in(indices: Sequence[int], template: Sequence[torch.Tensor], loaded: list) -> None:
+    """``loaded``'s entries at ``indices`` (one fragment) relaid as ``template``'s, in place."""
+    for i, tensor in zip(indices, relaid([template[i] for i in indices], [loaded[i] for i in indices])):
+        loaded[i] = tensor

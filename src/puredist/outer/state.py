@@ -19,7 +19,7 @@ from puredist._dtensors import is_dtensor, local_shard
 from puredist.averaging import _float_leaves
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig
-from puredist.outer.flat import flat_init, flattens
+from puredist.outer.flat import flat_init, flat_zeros, flattens
 from puredist.outer.schedule import fragment_leaves
 from puredist.tree import PyTree
 
@@ -109,19 +109,22 @@ def init_state(config: OuterConfig, params: PyTree) -> OuterState:
     leaves, _ = _float_leaves(params, in_place=True)
     global_params: list = [None] * len(leaves)
     outer_state: list = [None] * len(leaves)
+    residuals: list = [None] * len(leaves) if config.compressor else []
     for indices in fragment_leaves(config, leaves):
         fragment = [leaves[i] for i in indices]
         if flattens(config, fragment):  # views of one buffer: stepped as one tensor (see puredist.outer.flat)
             copy, states = flat_init(config, fragment)
+            left = flat_zeros(fragment, torch.float32) if residuals else ()
         else:
             copy = [_global_copy(config, leaf) for leaf in fragment]
             states = list(config.outer.init(copy))
+            # rank-local: a DTensor's residual is its local shard's
+            left = [torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in fragment] if residuals else ()
         for k, i in enumerate(indices):
             global_params[i], outer_state[i] = copy[k], states[k]
-    residuals = (  # rank-local: a DTensor's residual is its local shard's
-        tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves) if config.compressor else ()
-    )
-    return OuterState(0, tuple(global_params), tuple(outer_state), (), residuals)
+            if residuals:
+                residuals[i] = left[k]
+    return OuterState(0, tuple(global_params), tuple(outer_state), (), tuple(residuals))
 
 
 def _global_copy(config: OuterConfig, leaf: torch.Tensor) -> torch.Tensor:

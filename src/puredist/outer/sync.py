@@ -27,7 +27,7 @@ import torch
 from puredist._dtensors import is_dtensor
 from puredist._inputs import Checked, checked, checked_like
 from puredist.collectives import Collective, CollectiveHandle, DistributedCollective
-from puredist.compression import compressed_mean
+from puredist.compression import compressed_mean, compressed_mean_flat_
 from puredist.optim import copies
 from puredist.outer.config import OuterConfig
 from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_state, step_flat
@@ -85,8 +85,12 @@ def issue(config: OuterConfig, pseudo, start_step: int, fragment: int, collectiv
 
 def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int, indices: Sequence[int],
           collective: Collective, residuals: list) -> InFlight:
-    """Start ``fragment``'s synchronization (its leaves are ``indices``); with a
-    compressor it completes here, and its residuals in ``residuals`` are replaced."""
+    """Start ``fragment``'s synchronization (its leaves are ``indices``). With a
+    compressor it completes here and its new residuals replace its entries of
+    ``residuals``; where those are views of one buffer (a flat fragment, see
+    :mod:`puredist.outer.flat`), the buffer is overwritten instead, once the
+    synchronization succeeded: no other one starts in the same step (the fragments'
+    offsets differ) and nothing after it communicates before the step is applied."""
     with torch.no_grad():
         locals_ = [leaves[i] for i in indices]
         sent = None
@@ -107,8 +111,14 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
         if config.compressor is None:
             handle = issue(config, pseudo if sent is None else sent, state.step, fragment, collective)
             return InFlight(apply_step, fragment, tuple(pseudo), snapshot, handle)
-        means, left = compressed_mean(list(pseudo), tuple(residuals[i] for i in indices), config.compressor,
-                                      collective, context=str(SyncContext(config, fragment, state.step)))
+        context = str(SyncContext(config, fragment, state.step))
+        kept = [residuals[i] for i in indices]
+        residual_flat = flat_base(kept) if sent is not None else None
+        if residual_flat is not None and residual_flat.numel() == pseudo_flat.numel():  # one tensor, averaged in place
+            compressed_mean_flat_(pseudo_flat, residual_flat, config.compressor, collective, context=context,
+                                  leaves=pseudo, residuals=kept)
+            return InFlight(apply_step, fragment, tuple(pseudo), snapshot, CollectiveHandle())
+        means, left = compressed_mean(list(pseudo), tuple(kept), config.compressor, collective, context=context)
     for i, residual in zip(indices, left):
         residuals[i] = residual
     return InFlight(apply_step, fragment, tuple(means), snapshot, CollectiveHandle())
