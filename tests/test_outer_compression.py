@@ -111,6 +111,33 @@ def test_a_fragment_averaged_as_one_tensor_equals_the_simulation_bit_for_bit_and
         assert any(r.abs().max() > 0 for r in residuals)
 
 
+def _large_leaves(rank, world_size, replicas=None):
+    """4 DiLoCo steps of two leaves averaging 80 KiB (above the flat layout's limit), int8."""
+    from puredist.outer.flat import flat_base
+
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9), sync_every=2,
+                                         compressor=puredist.int8_blocks(16))
+    lead = () if replicas is None else (replicas,)
+    params = [torch.ones(*lead, 400, 100), torch.zeros(*lead, 300)]
+    state = transform.init(params)
+    collective = puredist.DistributedCollective() if replicas is None else SimulatedCollective(replicas)
+    for step in range(4):
+        for i, p in enumerate(params):
+            drifts = [torch.randn(p.shape[len(lead):], generator=torch.Generator().manual_seed(100 * r + 10 * step + i))
+                      for r in ([rank] if replicas is None else range(replicas))]
+            p.add_(drifts[0] if replicas is None else torch.stack(drifts))
+        state = transform.update_(params, state, collective=collective)
+    return params, state.residuals, flat_base(state.global_params) is None
+
+
+def test_leaves_too_large_to_lay_flat_equal_the_simulation_bit_for_bit():
+    simulated, residuals, _ = _large_leaves(0, 2, replicas=2)
+    for rank, (params, real_residuals, per_leaf) in enumerate(run_workers(_large_leaves, 2)):
+        assert per_leaf
+        assert all(torch.equal(p, s[rank]) for p, s in zip(params, simulated))
+        assert all(torch.equal(r, s[rank]) for r, s in zip(real_residuals, residuals))
+
+
 def _peer_dies_in_a_flat_sync(rank, world_size):
     import os
     import signal
