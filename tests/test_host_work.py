@@ -12,7 +12,11 @@ plans a layout once):
   synchronization is left out: on a CPU its snapshot of the local parameters is a
   clone per leaf, one multi-tensor kernel on a GPU). The pure compressed averager
   returns a new tensor per leaf: those are views of one buffer, cut in C++ (counted
-  apart: a fixed number of views per leaf, and nothing else grows);
+  apart: a fixed number of views per leaf, and nothing else grows). The classic
+  wrappers (the periodic averager, post-local SGD's optimizer, ZeRO's step) are
+  counted alike;
+- the Python calls of the DDP hooks (ZeRO's two, post-local SGD's) during a backward
+  pass are the same for 8 and 64 parameters (autograd's own work grows with them);
 - no tensor is formatted and no exception is raised inside puredist, over every
   public path that runs per step (the CPU counterpart of the CUDA suite's check for
   host synchronizations).
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import puredist
+from puredist import classic
 from workers import run_workers
 
 SMALL, LARGE = 8, 64  # leaves of 4 elements: one bucket either way
@@ -83,6 +89,14 @@ def _paths(leaves: int):
     zero = puredist.zero(puredist.sgd(1e-3, momentum=0.9, foreach=True))
     compressed_averager = puredist.compressed_averager(puredist.int8_blocks())
     plan = puredist.plan_zero([p.numel() for p in params], 2)
+    for param, grad in zip(params, grads):  # the classic paths average and step the parameters that have one
+        param.grad = grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # period 1 warns, as torch's does: here every call averages
+        periodic = classic.PeriodicModelAverager(period=1)
+        post_local = classic.PostLocalSGDOptimizer(torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+                                                   classic.PeriodicModelAverager(period=1))
+    zero_classic = classic.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True)
     states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
               "compressed": compressed.init(params), "compressed averager": compressed_averager.init(params),
               "sgd": sgd.init(params), "sgd pure": sgd.init(params),
@@ -104,6 +118,9 @@ def _paths(leaves: int):
             "compressed averager", lambda s: compressed_averager.update(params, s, collective=collective)[1]),
         "sgd update_": run("sgd", lambda s: sgd.update_(params, grads, s)),
         "sgd update (pure)": run("sgd pure", lambda s: sgd.update(params, grads, s)[1]),
+        "PeriodicModelAverager.average_parameters": lambda: periodic.average_parameters(params),
+        "PostLocalSGDOptimizer.step": post_local.step,
+        "ZeroRedundancyOptimizer.step": zero_classic.step,
         "ZeRO update_": run("zero", lambda s: zero.update_(params, grads, s, collective=collective)),
     }
 
@@ -136,6 +153,44 @@ def test_the_work_per_call_does_not_grow_with_the_leaves():
         assert views_large - views_small == _NEW_TENSOR_PER_LEAF.get(name, 0) * (LARGE - SMALL), (
             name, views_small, views_large)
         assert calls_large == calls_small, (name, calls_small, calls_large)
+
+
+class _Leaves(torch.nn.Module):
+    def __init__(self, leaves: int) -> None:
+        super().__init__()
+        self.leaves = torch.nn.ParameterList(torch.nn.Parameter(torch.full((4,), float(i))) for i in range(leaves))
+
+    def forward(self, x):
+        return torch.stack(list(self.leaves)).mv(x).sum()
+
+
+def _backward_calls_with_the_ddp_hooks(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    counts = {}
+    for leaves in (SMALL, LARGE):
+        local_sgd = classic.post_localSGD_hook.post_localSGD_hook
+        for hook in (classic.hook_with_zero_step, classic.hook_with_zero_step_interleaved, local_sgd):
+            ddp = DistributedDataParallel(_Leaves(leaves))
+            if hook is local_sgd:  # local SGD from the start: the hook averages in the subgroup
+                ddp.register_comm_hook(classic.PostLocalSGDState(None, torch.distributed.new_group([0, 1]), 0), hook)
+            else:  # the ZeRO step runs inside the hook, per bucket
+                zero = classic.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=1e-3,
+                                                       overlap_with_ddp=True)
+                ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+            x = torch.ones(4)
+            for _ in range(4):  # the ZeRO hooks' first iterations build the buckets' plan
+                ddp(x).backward()
+            counts[(hook.__name__, leaves)] = _python_calls(lambda: ddp(x).backward())
+    return counts
+
+
+def test_the_ddp_hooks_make_no_python_call_per_parameter():
+    # autograd's own work grows with the parameters; the Python calls of puredist's hooks must not
+    counts = run_workers(_backward_calls_with_the_ddp_hooks, 2)[0]
+    for name in {name for name, _ in counts}:
+        assert counts[(name, LARGE)] == counts[(name, SMALL)] > 0, (name, counts[(name, SMALL)], counts[(name, LARGE)])
 
 
 def _formatting_and_exceptions(rank, world_size):

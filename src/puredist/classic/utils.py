@@ -10,6 +10,8 @@ This module must not keep state between calls.
 
 from __future__ import annotations
 
+import operator
+from itertools import compress, repeat
 from typing import Iterable, Iterator
 
 import torch
@@ -44,16 +46,27 @@ def get_params_to_average(
         NotImplementedError: an element is neither a ``Parameter`` nor a param-group
             dict (torch's exception type and message).
     """
+    params = list(params)
+    if all(map(isinstance, params, repeat(torch.nn.Parameter))):  # a model's parameters
+        return _with_grad(params)
     selected = []
-    for param in params:
+    for param in params:  # param groups
         if isinstance(param, torch.nn.Parameter):
-            candidates = [param]
+            selected.extend(_with_grad([param]))
         elif isinstance(param, dict):
-            candidates = param["params"]
+            selected.extend(_with_grad(param["params"]))
         else:
             raise NotImplementedError(f"Parameter input of type {type(param)} is not supported")
-        selected.extend(p for p in candidates if p.grad is not None)
     return selected
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _with_grad(candidates: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Those of ``candidates`` whose ``.grad`` is set, in order (in C: no Python call
+    per parameter, which a training loop would pay at every step)."""
+    return list(compress(candidates, map(operator.is_not, map(_GRAD, candidates), repeat(None))))
 
 
 def average_parameters_or_parameter_groups(
