@@ -8,13 +8,11 @@ plans a layout once):
 
 - operations dispatched to torch (a ``TorchDispatchMode``) and Python function calls
   (``sys.setprofile``: comprehensions and generators count once per resumption) are
-  the same for 8 leaves and for 64 leaves that fit the same bucket (a delayed DiLoCo
-  synchronization is left out: on a CPU its snapshot of the local parameters is a
-  clone per leaf, one multi-tensor kernel on a GPU). The pure compressed averager
-  returns a new tensor per leaf: those are views of one buffer, cut in C++ (counted
-  apart: a fixed number of views per leaf, and nothing else grows). The classic
-  wrappers (the periodic averager, post-local SGD's optimizer, ZeRO's step) are
-  counted alike;
+  the same for 8 leaves and for 64 leaves that fit the same bucket. The pure
+  compressed averager returns a new tensor per leaf: those are views of one buffer,
+  cut in C++ (counted apart: a fixed number of views per leaf, and nothing else
+  grows). The classic wrappers (the periodic averager, post-local SGD's optimizer,
+  ZeRO's step) are counted alike;
 - the Python calls of the DDP hooks (ZeRO's two, post-local SGD's) during a backward
   pass are the same for 8 and 64 parameters (autograd's own work grows with them);
 - no tensor is formatted and no exception is raised inside puredist, over every
@@ -83,6 +81,7 @@ def _paths(leaves: int):
     averager = puredist.hierarchical_averager({1: 2})
     diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
     streaming = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, fragments=2)
+    delayed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, delay=1)
     compressed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=1,
                                           compressor=puredist.int8_blocks())
     sgd = puredist.sgd(1e-3, momentum=0.9, foreach=True)
@@ -98,7 +97,7 @@ def _paths(leaves: int):
                                                    classic.PeriodicModelAverager(period=1))
     zero_classic = classic.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True)
     states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
-              "compressed": compressed.init(params), "compressed averager": compressed_averager.init(params),
+              "compressed": compressed.init(params), "delayed": delayed.init(params), "compressed averager": compressed_averager.init(params),
               "sgd": sgd.init(params), "sgd pure": sgd.init(params),
               "zero": zero.init(params, plan=plan, rank=torch.distributed.get_rank())}
 
@@ -113,6 +112,9 @@ def _paths(leaves: int):
         "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),
         "streaming DiLoCo update_": run("streaming", lambda s: streaming.update_(params, s, collective=collective)),
+        "delayed DiLoCo update_ (a synchronization started, then applied)": run(
+            "delayed", lambda s: delayed.update_(params, delayed.update_(params, s, collective=collective),
+                                                 collective=collective)),
         "DiLoCo update_ with int8": run("compressed", lambda s: compressed.update_(params, s, collective=collective)),
         "compressed averager update (pure)": run(
             "compressed averager", lambda s: compressed_averager.update(params, s, collective=collective)[1]),

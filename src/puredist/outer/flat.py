@@ -118,28 +118,49 @@ def flat_state(states: Sequence[NamedTuple]) -> NamedTuple | None:
 
 
 _SCRATCH: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Per flat global copy (held weakly): the buffer its pseudo-gradients are taken into
-and that buffer's per-leaf views, made once (views made at every synchronization
-would be host work per leaf)."""
+"""Per flat global copy (held weakly): ``{purpose: (buffer, its per-leaf views)}``,
+the buffers a synchronization of the fragment takes its pseudo-gradients and its
+snapshot into, made once (views made at every synchronization would be host work
+per leaf)."""
+
+
+def _scratch(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
+             purpose: str) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The fragment's own buffer for ``purpose``, shaped as ``global_flat`` and viewed
+    as ``globals_``: reused at each of its synchronizations (at most one of a
+    fragment's is in flight: ``delay < sync_every``); it lives as long as the global
+    copy (one more copy of the fragment, which the per-leaf path allocates at every
+    synchronization instead)."""
+    buffers = _SCRATCH.get(global_flat)
+    if buffers is None:
+        buffers = _SCRATCH[global_flat] = {}
+    entry = buffers.get(purpose)
+    if entry is None:
+        buffer = torch.empty_like(global_flat)
+        entry = buffers[purpose] = (buffer, tuple(views_like(buffer, globals_)))
+    return entry
 
 
 def flat_pseudo_gradient(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
                          locals_: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``global - local`` of a flat fragment (its global copy ``global_flat``, viewed
-    as ``globals_``) in the fragment's pseudo-gradient buffer: ``(buffer, its views
-    per leaf)``. The buffer is the fragment's own, reused at its next
-    synchronization (at most one of a fragment's is in flight: ``delay <
-    sync_every``); it lives as long as the global copy (one more copy of the
-    fragment, which the per-leaf path allocates at every synchronization instead)."""
-    entry = _SCRATCH.get(global_flat)
-    if entry is None:
-        buffer = torch.empty_like(global_flat)
-        entry = _SCRATCH[global_flat] = (buffer, tuple(views_like(buffer, globals_)))
-    buffer, views = entry
+    as ``globals_``) in the fragment's pseudo-gradient buffer (see :func:`_scratch`):
+    ``(buffer, its views per leaf)``."""
+    buffer, views = _scratch(global_flat, globals_, "pseudo-gradient")
     with torch.no_grad():
         torch._foreach_copy_(list(views), list(locals_))
         torch.sub(global_flat, buffer, out=buffer)
     return buffer, views
+
+
+def flat_snapshot(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
+                  locals_: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A copy of a flat fragment's local parameters ``locals_``, as views of the
+    fragment's snapshot buffer (see :func:`_scratch`): one multi-tensor copy."""
+    _, views = _scratch(global_flat, globals_, "snapshot")
+    with torch.no_grad():
+        torch._foreach_copy_(list(views), list(locals_))
+    return views
 
 
 def step_flat(config: OuterConfig, global_flat: torch.Tensor, pseudo: torch.Tensor, state: NamedTuple | None) -> None:

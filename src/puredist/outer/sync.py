@@ -30,7 +30,7 @@ from puredist.collectives import Collective, CollectiveHandle, DistributedCollec
 from puredist.compression import compressed_mean, compressed_mean_flat_
 from puredist.optim import copies
 from puredist.outer.config import OuterConfig
-from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_state, step_flat
+from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_snapshot, flat_state, step_flat
 from puredist.outer.schedule import is_first_sync
 from puredist.outer.state import InFlight, OuterState
 
@@ -106,7 +106,12 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
                 pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
         else:
             pseudo = tuple(pseudo_gradient(config, state.global_params[i], leaves[i].detach()) for i in indices)
-        snapshot = tuple(copies(locals_)) if config.delay else ()
+        if not config.delay:
+            snapshot = ()
+        elif sent is not None:  # the fragment's own snapshot buffer, as its pseudo-gradient's
+            snapshot = flat_snapshot(flat, globals_, locals_)
+        else:
+            snapshot = tuple(copies(locals_))
         apply_step = state.step + config.delay
         if config.compressor is None:
             handle = issue(config, pseudo if sent is None else sent, state.step, fragment, collective)
