@@ -34,6 +34,24 @@ def test_a_users_transform_flattens_trees_as_puredist_does():
     assert torch.equal(tree_map(torch.neg, params)["b"], -torch.ones(2))
 
 
+def test_flat_containers_of_tensors_flatten_as_optree_does():
+    # lists, tuples and dicts of plain tensors skip optree's look at each leaf: the oracle is optree itself
+    import optree
+
+    from puredist.tree import tree_flatten, tree_unflatten
+
+    p = torch.nn.Parameter(torch.ones(3))
+    for tree in ([torch.ones(1), p], (p,), [], {"z": p, "a": torch.zeros(2)}, {}, [p, None], {"a": 1.0}):
+        leaves, spec = tree_flatten(tree)
+        with optree.dict_insertion_ordered(True, namespace="puredist"):
+            expected_leaves, expected_spec = optree.tree_flatten(tree, none_is_leaf=False, namespace="puredist")
+        assert spec == expected_spec and len(leaves) == len(expected_leaves), tree
+        assert all(a is b for a, b in zip(leaves, expected_leaves)), tree
+        rebuilt = tree_unflatten(spec, leaves)
+        assert type(rebuilt) is type(tree) and optree.tree_structure(rebuilt) == optree.tree_structure(tree)
+    assert list(tree_flatten({"z": p, "a": torch.zeros(2)})[0][0].shape) == [3]  # insertion order, not sorted
+
+
 def test_no_public_name_is_also_a_submodule():
     """``import puredist.x`` must give the module x, never a function of that name."""
     import pkgutil

@@ -58,8 +58,34 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], Any]:
         leaves, spec = torch_pytree.tree_flatten(tree)
         kept = [leaf is not None for leaf in leaves]
         return [leaf for leaf in leaves if leaf is not None], _TracedSpec(spec, kept)
+    kind = type(tree)
+    if (kind is list or kind is tuple) and set(map(type, tree)) <= _PLAIN:
+        return list(tree), _flat_spec(kind, len(tree))
+    if kind is dict and set(map(type, tree.values())) <= _PLAIN:
+        return list(tree.values()), _flat_spec(dict, tuple(tree))
     with optree.dict_insertion_ordered(True, namespace=_NAMESPACE):
         return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
+
+
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+_FLAT_SPECS: dict[tuple, optree.PyTreeSpec] = {}
+_FLAT_SPECS_KEPT = 64
+
+
+def _flat_spec(kind: type, shape: int | tuple) -> optree.PyTreeSpec:
+    """optree's spec of a ``list``/``tuple`` of ``shape`` leaves or a ``dict`` with the
+    keys ``shape``, each entry a tensor: what :func:`tree_flatten` returns for the
+    common parameter containers without optree's look at every leaf's type (a
+    parameter list's spec depends on its length only). The last 64 are kept."""
+    key = (kind, shape)
+    spec = _FLAT_SPECS.get(key)
+    if spec is None:
+        if len(_FLAT_SPECS) >= _FLAT_SPECS_KEPT:
+            del _FLAT_SPECS[next(iter(_FLAT_SPECS))]
+        stand_in = dict.fromkeys(shape, 0) if kind is dict else kind([0] * shape)
+        with optree.dict_insertion_ordered(True, namespace=_NAMESPACE):
+            spec = _FLAT_SPECS[key] = optree.tree_structure(stand_in, none_is_leaf=False, namespace=_NAMESPACE)
+    return spec
 
 
 def tree_leaves(tree: PyTree) -> list[Any]:
