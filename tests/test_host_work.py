@@ -276,6 +276,29 @@ def test_adam_dispatches_what_torch_optim_adam_dispatches(fused):
         assert _dispatched(step) <= _dispatched(reference.step)
 
 
+@pytest.mark.parametrize("fused", [None, True])
+def test_adams_steps_make_no_python_call_per_leaf(fused):
+    # the pure update with the fused kernel copies the parameters and the state (a clone per tensor on a
+    # CPU, one multi-tensor kernel on a GPU: dispatched per leaf here), then steps the copies
+    calls = {}
+    for leaves in (SMALL, LARGE):
+        params = [torch.nn.Parameter(torch.randn(4)) for _ in range(leaves)]
+        grads = [torch.randn(4) for _ in params]
+        adam = puredist.adamw(1e-3, foreach=not fused, fused=fused)
+        in_place, pure = [adam.init(params)], [params, adam.init(params)]
+
+        def step_in_place():
+            in_place[0] = adam.update_(params, grads, in_place[0])
+
+        def step_pure():
+            pure[0], pure[1] = adam.update(pure[0], grads, pure[1])
+
+        for step in (step_in_place, step_pure):
+            step()
+        calls[leaves] = (_python_calls(step_in_place), _python_calls(step_pure))
+    assert calls[SMALL] == calls[LARGE], calls
+
+
 @pytest.mark.parametrize("leaves", [SMALL])
 def test_the_counting_sees_per_leaf_work(leaves):
     # the oracle of the test above: a loop over leaves is counted

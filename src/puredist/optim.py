@@ -324,7 +324,7 @@ def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name:
     """Raise, naming the argument, before anything is stepped where torch's fused
     kernel would raise its own ``NotImplementedError`` from inside the step: it has no
     complex kernels."""
-    if not fused:
+    if not fused or not _any_complex(params):
         return
     complex_ = [i for i, p in enumerate(params) if p.is_complex()]
     if complex_:
@@ -353,13 +353,13 @@ def clone_states(states: Sequence[NamedTuple], *, recorded: bool = False) -> lis
         return list(states)  # (a state with no field holds nothing to copy)
     columns = []
     for column in zip(*states):
-        if all(t is None for t in column):
-            columns.append(column)
-        elif all(t is not None for t in column):
+        if not _any_none(column):
             columns.append(copies(column, recorded=recorded))
+        elif all(map(operator.is_, column, repeat(None))):
+            columns.append(column)
         else:
             columns.append([None if t is None else t.clone() for t in column])
-    return [type(state)(*row) for state, row in zip(states, zip(*columns))]
+    return _states_of(type(states[0]), *columns)
 
 
 def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
@@ -444,6 +444,11 @@ _IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtyp
 def _any_none(items: Sequence[object]) -> bool:
     """Whether an item is ``None`` (C-level: no Python frame per item)."""
     return any(map(operator.is_, items, repeat(None)))
+
+
+def _any_complex(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor is complex (C-level, as :func:`_any_none`)."""
+    return any(map(torch.is_complex, tensors))
 
 
 def _states_of(kind: type, *columns: Sequence[Any]) -> list[NamedTuple]:
@@ -684,7 +689,7 @@ def _adam_family(
             foreach=False if traced else foreach,
             fused=_fused_here(fused, traced),
             differentiable=traced,
-            has_complex=any(torch.is_complex(p) for p in params),  # else the multi-tensor kernel takes g^2, not |g|^2
+            has_complex=_any_complex(params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,
             amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
             weight_decay=weight_decay, eps=eps, maximize=maximize_here,
