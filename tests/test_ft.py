@@ -337,3 +337,40 @@ def test_a_failed_quorum_or_vote_is_named_and_changes_nothing(fault, stage):
     with pytest.raises(puredist.CollectiveError, match=f"failed in {stage} .*injected") as error:
         ManagerCollective(_RecordingManager(fault)).mean_([tensor], context="x")
     assert error.value.completed_elements == (0,) and torch.equal(tensor, torch.arange(4.0))
+
+
+class _HealingManager(_RecordingManager):
+    """A stand-in manager whose first quorum heals this replica (torchft takes a peer's
+    step during ``start_quorum``), counting the quorums started."""
+
+    def __init__(self) -> None:
+        super().__init__(fault="")
+        self.step, self.quorums = 0, 0
+
+    def current_step(self) -> int:
+        return self.step
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        if self.quorums == 1:
+            self.step = 7
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_an_abandoned_replay_leaves_the_quorum_its_heal_opened(abandoned):
+    # after a heal (Healed), the next reduction replays the healing quorum's; after HealFailed the replay will
+    # never run, and a reduction must start a quorum of its own rather than join its peers' stale one
+    from puredist.ft import Healed
+
+    manager = _HealingManager()
+    collective = ManagerCollective(manager, restart_on_heal=True)
+    with pytest.raises(Healed):
+        collective.mean_([torch.ones(2)], context="x")
+    if abandoned:  # a quorum of its own: this replica alone, a member
+        collective.abandon_replay()
+        collective.mean_([torch.ones(2)], context="x")
+    else:  # the replay joins the open quorum with zeros: alone there, nobody contributes
+        with pytest.raises(puredist.RankMismatchError, match="every one is healing"):
+            collective.mean_([torch.ones(2)], context="x")
+    assert manager.quorums == (2 if abandoned else 1)
+
