@@ -12,18 +12,22 @@ from puredist.demo import charlm, network
 from test_demo import DEMO, ENV
 
 
-def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail():
+SIZES = pytest.mark.parametrize("size", [charlm.SMALL, charlm.LARGE], ids=["lm", "lm-large"])
+
+
+@SIZES
+def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail(size):
     text, vocabulary = charlm.corpus()
     assert len(text) > 300_000 and vocabulary == "".join(sorted(set(text)))
     world_size = 4
-    shards = [charlm.load(0, rank, world_size)[0] for rank in range(world_size)]
+    shards = [charlm.load(0, rank, world_size, size)[0] for rank in range(world_size)]
     codes = charlm.encode(text, vocabulary)
     split = int(len(codes) * (1 - charlm.HELD_OUT_FRACTION))
     # the shards tile the training part in rank order; nothing of the held-out tail is in them
     assert torch.equal(torch.cat(shards), codes[: sum(len(s) for s in shards)])
     assert sum(len(s) for s in shards) <= split
-    inputs, targets = charlm.load(0, 0, world_size)[1]
-    assert inputs.shape == targets.shape == (charlm.EVAL_WINDOWS, charlm.CONTEXT)
+    inputs, targets = charlm.load(0, 0, world_size, size)[1]
+    assert inputs.shape == targets.shape == (charlm.EVAL_WINDOWS, size.context)
     tail = "".join(vocabulary[c] for c in codes[split:].tolist())
     for window_in, window_out in zip(inputs, targets):
         decoded = "".join(vocabulary[c] for c in window_in.tolist())
@@ -31,31 +35,35 @@ def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail():
         assert torch.equal(window_in[1:], window_out[:-1])  # targets: the next characters
 
 
-def test_minibatches_are_next_character_pairs_from_the_shard():
-    shard = charlm.load(0, 1, 4)[0]
-    inputs, targets = charlm.sample(shard, torch.Generator().manual_seed(3))
-    assert inputs.shape == (charlm.BATCH_SIZE, charlm.CONTEXT)
+@SIZES
+def test_minibatches_are_next_character_pairs_from_the_shard(size):
+    shard = charlm.load(0, 1, 4, size)[0]
+    inputs, targets = charlm.sample(shard, torch.Generator().manual_seed(3), size)
+    assert inputs.shape == (size.batch_size, size.context)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    every_window = shard.unfold(0, charlm.CONTEXT + 1, 1)
+    every_window = shard.unfold(0, size.context + 1, 1)
     for x, y in zip(inputs, targets):
         drawn = torch.cat([x, y[-1:]])
         assert (every_window == drawn).all(dim=1).any()  # a window of this rank's own shard
 
 
-def test_the_model_is_causal_and_starts_near_a_uniform_guess():
-    model = charlm.make_model(0)
+@pytest.mark.parametrize("task, parameters", [(charlm.TASK, (300_000, 1_000_000)),
+                                              (charlm.LARGE_TASK, (15_000_000, 25_000_000))], ids=["lm", "lm-large"])
+def test_the_model_is_causal_and_starts_near_a_uniform_guess(task, parameters):
+    model = task.make_model(0)
     vocabulary = len(charlm.corpus()[1])
-    codes = torch.randint(vocabulary, (2, charlm.CONTEXT), generator=torch.Generator().manual_seed(0))
+    codes = torch.randint(vocabulary, (2, 64), generator=torch.Generator().manual_seed(0))  # (the small context)
     changed = codes.clone()
     changed[:, 40] = (changed[:, 40] + 1) % vocabulary
     with torch.no_grad():
         before, after = model(codes), model(changed)
-    assert before.shape == (2, charlm.CONTEXT, vocabulary)
+    assert before.shape == (2, 64, vocabulary)
     assert torch.equal(before[:, :40], after[:, :40])  # no position sees a later one
     assert not torch.allclose(before[:, 40:], after[:, 40:])
     loss = torch.nn.functional.cross_entropy(before.flatten(0, 1), codes.flatten())
     assert abs(loss.item() - math.log(vocabulary)) < 0.5
-    assert 300_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+    low, high = parameters
+    assert low < sum(p.numel() for p in model.parameters()) < high
 
 
 def test_compute_time_is_the_median_of_the_steps_that_sent_nothing():

@@ -5,11 +5,13 @@ CPython: about 465k characters of English prose and code; nothing downloaded), i
 topics joined in key order. The last tenth is held out; the rest is cut into one
 contiguous shard per worker. The vocabulary is the corpus's own characters.
 
-The model is a small decoder-only transformer: token and learned position
-embeddings, pre-norm blocks of causal multi-head self-attention
+The model is a decoder-only transformer: token and learned position embeddings,
+pre-norm blocks of causal multi-head self-attention
 (:func:`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, a final
-LayerNorm and a linear head (about 0.43M parameters with the defaults). The inner
-optimizer is AdamW, as in DiLoCo.
+LayerNorm and a linear head. Two sizes: ``lm`` (:data:`SMALL`, about 0.43M
+parameters, minutes on a CPU) and ``lm-large`` (:data:`LARGE`, about 19M parameters
+on windows four times longer: a size worth a GPU). The inner optimizer is AdamW, as
+in DiLoCo.
 
 This module must not download anything: the corpus ships with Python.
 """
@@ -17,17 +19,33 @@ This module must not download anything: the corpus ships with Python.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from puredist.demo.task import Batch, Task
 
-CONTEXT = 64
-WIDTH = 128
-LAYERS = 2
-HEADS = 4
-BATCH_SIZE = 16
+
+
+class Size(NamedTuple):
+    """A model's size and the windows it trains on.
+
+    Attributes:
+        context: characters per window (the positions the model has).
+        width, layers, heads: the transformer's.
+        batch_size: windows per minibatch.
+    """
+
+    context: int
+    width: int
+    layers: int
+    heads: int
+    batch_size: int
+
+
+SMALL = Size(context=64, width=128, layers=2, heads=4, batch_size=16)
+LARGE = Size(context=256, width=512, layers=6, heads=8, batch_size=32)
 HELD_OUT_FRACTION = 0.1
 EVAL_WINDOWS = 64
 
@@ -46,24 +64,24 @@ def encode(text: str, vocabulary: str) -> torch.Tensor:
     return torch.tensor([index[char] for char in text], dtype=torch.int64)
 
 
-def load(seed: int, rank: int, world_size: int) -> tuple[torch.Tensor, Batch]:
+def load(seed: int, rank: int, world_size: int, size: Size = SMALL) -> tuple[torch.Tensor, Batch]:
     """This rank's contiguous shard of the training text (encoded) and the held-out
-    batch: ``EVAL_WINDOWS`` evenly spaced windows of the held-out tail (``seed`` does
-    not change the split)."""
+    batch: ``EVAL_WINDOWS`` evenly spaced windows of ``size.context`` characters of
+    the held-out tail (``seed`` does not change the split)."""
     text, vocabulary = corpus()
     codes = encode(text, vocabulary)
     split = int(len(codes) * (1 - HELD_OUT_FRACTION))
     train, tail = codes[:split], codes[split:]
     shard = len(train) // world_size
-    starts = torch.linspace(0, len(tail) - CONTEXT - 1, EVAL_WINDOWS).long()
-    windows = torch.stack([tail[s: s + CONTEXT + 1] for s in starts.tolist()])
+    starts = torch.linspace(0, len(tail) - size.context - 1, EVAL_WINDOWS).long()
+    windows = torch.stack([tail[s: s + size.context + 1] for s in starts.tolist()])
     return train[rank * shard: (rank + 1) * shard], (windows[:, :-1], windows[:, 1:])
 
 
-def sample(train: torch.Tensor, generator: torch.Generator) -> Batch:
-    """``BATCH_SIZE`` random windows of the shard: characters and the ones after them."""
-    starts = torch.randint(len(train) - CONTEXT, (BATCH_SIZE,), generator=generator)
-    windows = torch.stack([train[s: s + CONTEXT + 1] for s in starts.tolist()])
+def sample(train: torch.Tensor, generator: torch.Generator, size: Size = SMALL) -> Batch:
+    """``size.batch_size`` random windows of the shard: characters and the ones after them."""
+    starts = torch.randint(len(train) - size.context, (size.batch_size,), generator=generator)
+    windows = torch.stack([train[s: s + size.context + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -98,34 +116,38 @@ class CharGPT(nn.Module):
     """``(batch, length) character codes -> (batch, length, vocabulary) logits`` of the
     next character; position ``t`` sees positions ``<= t`` only."""
 
-    def __init__(self, vocabulary: int, context: int = CONTEXT, width: int = WIDTH, layers: int = LAYERS,
-                 heads: int = HEADS) -> None:
+    def __init__(self, vocabulary: int, size: Size = SMALL) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(vocabulary, width)
-        self.positions = nn.Embedding(context, width)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocabulary)
+        self.tokens = nn.Embedding(vocabulary, size.width)
+        self.positions = nn.Embedding(size.context, size.width)
+        self.blocks = nn.Sequential(*(Block(size.width, size.heads) for _ in range(size.layers)))
+        self.norm = nn.LayerNorm(size.width)
+        self.head = nn.Linear(size.width, vocabulary)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(codes.shape[1], device=codes.device)
         return self.head(self.norm(self.blocks(self.tokens(codes) + self.positions(positions))))
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, size: Size = SMALL) -> nn.Module:
     torch.manual_seed(seed)
-    return CharGPT(len(corpus()[1]))
+    return CharGPT(len(corpus()[1]), size)
 
 
-TASK = Task(
-    name="lm",
-    title="a character-level GPT on CPython's documentation",
-    default_steps=320,
-    period=16,
-    warmup_steps=32,
-    make_model=make_model,
-    load=load,
-    sample=sample,
-    optimizer="adamw",
-    optimizer_options={"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.01},
-)
+def _task(name: str, size: Size, title: str, lr: float) -> Task:
+    return Task(
+        name=name,
+        title=title,
+        default_steps=320,
+        period=16,
+        warmup_steps=32,
+        make_model=functools.partial(make_model, size=size),
+        load=functools.partial(load, size=size),
+        sample=functools.partial(sample, size=size),
+        optimizer="adamw",
+        optimizer_options={"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.01},
+    )
+
+
+TASK = _task("lm", SMALL, "a character-level GPT on CPython's documentation", 3e-3)
+LARGE_TASK = _task("lm-large", LARGE, "a 19M-parameter character-level GPT on CPython's documentation", 1e-3)

@@ -58,7 +58,7 @@ from puredist.tree import tree_leaves
 ALGORITHMS = (
     "ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk",
 )
-TASKS = {task.name: task for task in (digits.TASK, charlm.TASK)}
+TASKS = {task.name: task for task in (digits.TASK, charlm.TASK, charlm.LARGE_TASK)}
 TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 """The ``torch.optim`` class of each :attr:`Task.optimizer` (DDP and ZeRO use it)."""
 OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
