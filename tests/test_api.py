@@ -41,7 +41,8 @@ def test_flat_containers_of_tensors_flatten_as_optree_does():
     from puredist.tree import tree_flatten, tree_unflatten
 
     p = torch.nn.Parameter(torch.ones(3))
-    for tree in ([torch.ones(1), p], (p,), [], {"z": p, "a": torch.zeros(2)}, {}, [p, None], {"a": 1.0}):
+    for tree in ([torch.ones(1), p], (p,), [], {"z": p, "a": torch.zeros(2)}, {}, [p, None], {"a": 1.0},
+                 {1: p}, {True: p}, {1.0: p}):  # (keys equal across types: each keeps its own)
         leaves, spec = tree_flatten(tree)
         with optree.dict_insertion_ordered(True, namespace="puredist"):
             expected_leaves, expected_spec = optree.tree_flatten(tree, none_is_leaf=False, namespace="puredist")
@@ -49,6 +50,8 @@ def test_flat_containers_of_tensors_flatten_as_optree_does():
         assert all(a is b for a, b in zip(leaves, expected_leaves)), tree
         rebuilt = tree_unflatten(spec, leaves)
         assert type(rebuilt) is type(tree) and optree.tree_structure(rebuilt) == optree.tree_structure(tree)
+        if isinstance(tree, dict):
+            assert [type(k) for k in rebuilt] == [type(k) for k in tree], tree
     assert list(tree_flatten({"z": p, "a": torch.zeros(2)})[0][0].shape) == [3]  # insertion order, not sorted
 
 

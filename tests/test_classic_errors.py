@@ -143,3 +143,20 @@ def test_submodules_are_modules_with_torchs_public_names(name):
     theirs = importlib.import_module(TORCH_MODULES[name])
     wanted = set(getattr(theirs, "__all__", ())) or {n for n in ours.__all__}
     assert wanted <= set(dir(ours)), sorted(wanted - set(dir(ours)))
+
+
+def test_param_groups_given_as_iterators_select_what_torchs_function_selects():
+    # a param group's "params" may be a one-pass iterator (model.parameters()): read once, as torch does
+    def model():
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        for i, p in enumerate(layers.parameters()):
+            p.grad = None if i == 2 else torch.ones_like(p)
+        return layers
+
+    for groups in (lambda m: [{"params": m.parameters()}], lambda m: [{"params": iter(list(m.parameters()))}]):
+        layers = model()
+        ours = classic.get_params_to_average(groups(layers))
+        theirs = torch_utils.get_params_to_average(groups(layers))
+        assert [id(p) for p in ours] == [id(p) for p in theirs] and len(ours) == 5
+

@@ -162,6 +162,29 @@ def test_bad_settings_and_inputs_are_refused():
                         collective=SimulatedCollective(2))
 
 
+def _outputs_and_bad_residuals(rank, world_size):
+    import puredist
+
+    averager, collective = compressed_averager(int8_blocks(16)), puredist.DistributedCollective()
+    x = [torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)), torch.randn(5)]
+    means, state = averager.update(x, averager.init(x), collective=collective)
+    versions = [t._version for t in (*means, *state.residuals)]
+    means[1].add_(1)  # in place on one output: a pure function's outputs are tensors of their own
+    state.residuals[1].add_(1)
+    independent = [t._version for t in (*means, *state.residuals)] == [versions[0], versions[1] + 1,
+                                                                        versions[2], versions[3] + 1]
+    storages = {t.untyped_storage().data_ptr() for t in (*means, *state.residuals)}
+    swapped = state._replace(residuals=(torch.zeros(5), torch.zeros(3, 4)))  # the same elements, other shapes
+    with pytest.raises(ValueError, match=r"``state``: residual 0 has shape \(5,\), its leaf \(3, 4\)"):
+        averager.update(x, swapped, collective=collective)
+    return independent, len(storages)
+
+
+def test_the_outputs_are_tensors_of_their_own_and_misshapen_residuals_are_refused():
+    for independent, storages in run_workers(_outputs_and_bad_residuals, 2):
+        assert independent and storages == 4
+
+
 def _wire_bytes(rank, world_size):
     import puredist
     from puredist.demo.wire import ByteMeter

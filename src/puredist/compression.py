@@ -39,6 +39,7 @@ This module must not keep state between calls: residuals go in and out explicitl
 """
 
 import math
+import operator
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -317,13 +318,24 @@ def compressed_mean(
 def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
                            collective: Collective, context: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`compressed_mean` of plain tensors of one dtype on a real rank: the row
-    made and cut by single C++ calls (host work per leaf in C, not in Python); the
-    means are views of one new buffer, and so are the residuals."""
+    made and cut by single C++ calls (host work per leaf in C, not in Python). The
+    results are tensors of their own (no shared storage or version counter: a
+    pure function's outputs), copied out of the flat results by one multi-tensor op
+    each (``x * 1`` is ``x`` exactly)."""
+    shapes = list(map(_SHAPE, residuals))
+    if shapes != list(map(_SHAPE, leaves)):
+        i = next(i for i, (r, leaf) in enumerate(zip(shapes, leaves)) if r != leaf.shape)
+        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(leaves[i].shape)}.")
     flatten = torch._C._nn.flatten_dense_tensors  # (one tensor: a view of it, never written)
     with torch.no_grad():
         rows = (flatten(leaves).float() + flatten(list(residuals))).view(1, -1)
     mean, left = _mean_of_rows(rows, leaves, compressor, collective, False, leaves, residuals, context)
-    return views_like(mean.to(leaves[0].dtype), leaves), views_like(left[0], residuals)
+    with torch.no_grad():
+        return (list(torch._foreach_mul(views_like(mean.to(leaves[0].dtype), leaves), 1)),
+                list(torch._foreach_mul(views_like(left[0], residuals), 1)))
+
+
+_SHAPE = operator.attrgetter("shape")
 
 
 def compressed_mean_flat_(

@@ -61,20 +61,21 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], Any]:
     kind = type(tree)
     if (kind is list or kind is tuple) and set(map(type, tree)) <= _PLAIN:
         return list(tree), _flat_spec(kind, len(tree))
-    if kind is dict and set(map(type, tree.values())) <= _PLAIN:
+    if kind is dict and set(map(type, tree)) <= _STR and set(map(type, tree.values())) <= _PLAIN:
         return list(tree.values()), _flat_spec(dict, tuple(tree))
     with optree.dict_insertion_ordered(True, namespace=_NAMESPACE):
         return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
 
 
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
+_STR = {str}  # (keys that are equal only when they are the same key: 1, 1.0 and True are not)
 _FLAT_SPECS: dict[tuple, optree.PyTreeSpec] = {}
 _FLAT_SPECS_KEPT = 64
 
 
 def _flat_spec(kind: type, shape: int | tuple) -> optree.PyTreeSpec:
     """optree's spec of a ``list``/``tuple`` of ``shape`` leaves or a ``dict`` with the
-    keys ``shape``, each entry a tensor: what :func:`tree_flatten` returns for the
+    string keys ``shape``, each entry a tensor: what :func:`tree_flatten` returns for the
     common parameter containers without optree's look at every leaf's type (a
     parameter list's spec depends on its length only). The last 64 are kept."""
     key = (kind, shape)

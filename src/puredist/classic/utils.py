@@ -54,7 +54,7 @@ def get_params_to_average(
         if isinstance(param, torch.nn.Parameter):
             selected.extend(_with_grad([param]))
         elif isinstance(param, dict):
-            selected.extend(_with_grad(param["params"]))
+            selected.extend(_with_grad(list(param["params"])))  # (read once: it may be an iterator)
         else:
             raise NotImplementedError(f"Parameter input of type {type(param)} is not supported")
     return selected

@@ -13,8 +13,10 @@ pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), a
 tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
 of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
 (:func:`flat_zeros`), and the fragment is compressed and averaged as one tensor
-(:func:`puredist.compression.compressed_mean_flat_`). Elementwise, the results are those of the per-leaf path, bit for
-bit.
+(:func:`puredist.compression.compressed_mean_flat_`). Elementwise, the results are
+those of the per-leaf path, bit for bit in fp32 and fp64; in 16-bit dtypes on a CPU
+they may differ in the last bit (torch's CPU kernels round the vectorized body of a
+tensor and its tail differently, and the flat buffer's tails are elsewhere).
 
 Whether a list of views still tiles its buffer is decided from the tensors'
 metadata, once per layout (:func:`flat_base`): a state rebuilt per leaf (by
