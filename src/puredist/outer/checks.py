@@ -7,6 +7,7 @@ This module must not change a tensor.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -22,6 +23,9 @@ def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
     return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
 
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
 def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: OuterState) -> None:
     """Raise ``ValueError`` unless ``leaves`` are the parameters ``state`` was made
     for: as many, of the same shapes (and dtypes, where the global copy keeps the
@@ -29,9 +33,9 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
     embedding left out) would pair unrelated tensors."""
     globals_ = state.global_params
     same_dtype = config.global_dtype is None
-    same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [g.shape for g in globals_]
+    same = len(leaves) == len(globals_) and list(map(_SHAPE, leaves)) == list(map(_SHAPE, globals_))
     if same and same_dtype:
-        same = [t.dtype for t in leaves] == [g.dtype for g in globals_]
+        same = list(map(_DTYPE, leaves)) == list(map(_DTYPE, globals_))
     if same:
         return
     differing = next(

@@ -84,13 +84,15 @@ def issue(config: OuterConfig, pseudo, start_step: int, fragment: int, collectiv
 
 
 def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int, indices: Sequence[int],
-          collective: Collective, residuals: list) -> InFlight:
+          collective: Collective, residuals: list, flat_globals: dict) -> InFlight:
     """Start ``fragment``'s synchronization (its leaves are ``indices``). With a
     compressor it completes here and its new residuals replace its entries of
     ``residuals``; where those are views of one buffer (a flat fragment, see
     :mod:`puredist.outer.flat`), the buffer is overwritten instead, once the
     synchronization succeeded: no other one starts in the same step (the fragments'
-    offsets differ) and nothing after it communicates before the step is applied."""
+    offsets differ) and nothing after it communicates before the step is applied.
+    A flat fragment's global buffer goes into ``flat_globals[fragment]``, for
+    :func:`apply` in the same step (derived once a step, not twice)."""
     with torch.no_grad():
         locals_ = [leaves[i] for i in indices]
         sent = None
@@ -99,6 +101,7 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
             # real ranks average any tensor (simulated ones need the replica axis leading)
             flat = flat_base(globals_) if isinstance(collective, DistributedCollective) else None
             if flat is not None:  # the fragment's own buffer, averaged as one tensor; the state carries its views
+                flat_globals[fragment] = flat
                 pseudo_flat, pseudo = flat_pseudo_gradient(flat, globals_, locals_)
                 sent = checked([pseudo_flat])
             else:
@@ -130,14 +133,17 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
 
 
 def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state: list, item: InFlight,
-          indices: Sequence[int]) -> None:
+          indices: Sequence[int], flat_global: torch.Tensor | None = None) -> None:
     """Apply the completed synchronization ``item`` (its fragment's leaves are
     ``indices``): step ``global_params`` and ``outer_state`` (lists, replaced per
-    leaf) and write the new global parameters into ``leaves``, in place."""
+    leaf) and write the new global parameters into ``leaves``, in place.
+    ``flat_global``: the fragment's global buffer where :func:`start` found it in
+    this step (else derived here)."""
     targets = [global_params[i] for i in indices]
     fast = config.same_place and leaves.layout.plain
     first = is_first_sync(config, item.fragment, item.apply_step - config.delay)
-    if not (fast and _applied_flat(config, targets, [outer_state[i] for i in indices], item.pseudo_grads, first)):
+    states = [outer_state[i] for i in indices]
+    if not (fast and _applied_flat(config, targets, states, item.pseudo_grads, first, flat_global)):
         grads = list(item.pseudo_grads) if fast else fetched(item.pseudo_grads, targets)
         with torch.no_grad():
             if first:
@@ -146,7 +152,7 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
                 # starts from there (else all of warm-up would be one outer step)
                 torch._foreach_sub_(targets, grads)
             else:
-                stepped = config.outer.update_(targets, grads, [outer_state[i] for i in indices])
+                stepped = config.outer.update_(targets, grads, states)
                 for k, i in enumerate(indices):
                     outer_state[i] = stepped[k]
     with torch.no_grad():
@@ -156,11 +162,14 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
             _write_back(leaves, indices, targets, item.snapshot)
 
 
-def _applied_flat(config: OuterConfig, targets: list, states: list, pseudo: Sequence[torch.Tensor], first: bool) -> bool:
+def _applied_flat(config: OuterConfig, targets: list, states: list, pseudo: Sequence[torch.Tensor], first: bool,
+                  flat: torch.Tensor | None) -> bool:
     """Step a flat fragment as one tensor (see :mod:`puredist.outer.flat`) if its
-    global copy, outer state and pseudo-gradients are views of one buffer each;
-    whether it did."""
-    flat = flat_base(targets) if config.outer.elementwise else None
+    global copy (``flat``'s views, where known), outer state and pseudo-gradients
+    are views of one buffer each; whether it did."""
+    if not config.outer.elementwise:
+        return False
+    flat = flat if flat is not None else flat_base(targets)
     if flat is None:
         return False
     sent = pseudo[0]._base  # made by start as views of one buffer, or per leaf (a loaded checkpoint)

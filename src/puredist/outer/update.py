@@ -56,16 +56,16 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
         for item in state.in_flight
     ]
     due = due_fragments(config, state.step)
-    residuals = list(state.residuals)
+    residuals, flat_globals = list(state.residuals), {}
     for f in due:
-        in_flight.append(start(config, leaves, state, f, fragments[f], collective, residuals))
+        in_flight.append(start(config, leaves, state, f, fragments[f], collective, residuals, flat_globals))
     applying = [item for item in in_flight if item.apply_step == state.step]
     waiting = [item for item in in_flight if item.apply_step != state.step]
     for item in applying:
         item.handle.wait()  # all of them before any is applied: a failure applies nothing
     global_params, outer_state = list(state.global_params), list(state.outer_state)
     for item in applying:
-        apply(config, leaves, global_params, outer_state, item, fragments[item.fragment])
+        apply(config, leaves, global_params, outer_state, item, fragments[item.fragment], flat_globals.get(item.fragment))
     new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting), tuple(residuals))
     level, idle = lower_level_fragments(config, state.step, set(due) | {item.fragment for item in waiting})
     idle_leaves = [leaves[i] for f in idle for i in fragments[f]]
