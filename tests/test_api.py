@@ -2,6 +2,8 @@
 the tree utilities a user's own transform needs are public."""
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import puredist
 
@@ -53,6 +55,35 @@ def test_flat_containers_of_tensors_flatten_as_optree_does():
         if isinstance(tree, dict):
             assert [type(k) for k in rebuilt] == [type(k) for k in tree], tree
     assert list(tree_flatten({"z": p, "a": torch.zeros(2)})[0][0].shape) == [3]  # insertion order, not sorted
+
+
+_LEAF = st.sampled_from([torch.ones(1), torch.nn.Parameter(torch.zeros(2)), None, 1.5])
+_KEY = st.one_of(st.text(max_size=3), st.integers(-2, 2), st.booleans(), st.floats(-2, 2, allow_nan=False))
+_TREES = st.recursive(
+    _LEAF,
+    lambda children: st.one_of(st.lists(children, max_size=4), st.lists(children, max_size=4).map(tuple),
+                               st.dictionaries(_KEY, children, max_size=4)),
+    max_leaves=12,
+)
+
+
+@given(_TREES)
+def test_any_tree_flattens_and_rebuilds_as_optree_does(tree):
+    # the fast path (flat containers of tensors) and optree's own must be indistinguishable: optree is the oracle
+    import optree
+
+    from puredist.tree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(tree)
+    with optree.dict_insertion_ordered(True, namespace="puredist"):
+        expected_leaves, expected_spec = optree.tree_flatten(tree, none_is_leaf=False, namespace="puredist")
+    assert spec == expected_spec and len(leaves) == len(expected_leaves)
+    assert all(a is b for a, b in zip(leaves, expected_leaves))
+    rebuilt = tree_unflatten(spec, leaves)
+    with optree.dict_insertion_ordered(True, namespace="puredist"):
+        assert optree.tree_structure(rebuilt, none_is_leaf=True) == optree.tree_structure(tree, none_is_leaf=True)
+    if isinstance(tree, dict):
+        assert [type(k) for k in rebuilt] == [type(k) for k in tree]
 
 
 def test_no_public_name_is_also_a_submodule():
