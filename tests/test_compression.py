@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from puredist import SimulatedCollective
-from puredist.compression import compressed_averager, int4_blocks, int8_blocks, top_k
+from puredist.compression import compressed_averager, compressed_mean, int4_blocks, int8_blocks, top_k
 from workers import run_workers
 
 
@@ -177,12 +177,16 @@ def _outputs_and_bad_residuals(rank, world_size):
     swapped = state._replace(residuals=(torch.zeros(5), torch.zeros(3, 4)))  # the same elements, other shapes
     with pytest.raises(ValueError, match=r"``state``: residual 0 has shape \(5,\), its leaf \(3, 4\)"):
         averager.update(x, swapped, collective=collective)
-    return independent, len(storages)
+    with pytest.raises(ValueError, match="holds 1 residuals for 2 leaves"):
+        compressed_mean(x, state.residuals[:1], int8_blocks(16), collective, context="")
+    fp8 = [t.to(torch.float8_e4m3fn) for t in x]  # averaged as before the single-buffer path (no float8 kernels)
+    means8, _ = averager.update(fp8, averager.init(fp8), collective=collective)
+    return independent, len(storages), [m.dtype for m in means8]
 
 
 def test_the_outputs_are_tensors_of_their_own_and_misshapen_residuals_are_refused():
-    for independent, storages in run_workers(_outputs_and_bad_residuals, 2):
-        assert independent and storages == 4
+    for independent, storages, fp8_dtypes in run_workers(_outputs_and_bad_residuals, 2):
+        assert independent and storages == 4 and fp8_dtypes == [torch.float8_e4m3fn] * 2
 
 
 def _wire_bytes(rank, world_size):

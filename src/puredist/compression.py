@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from puredist._consistency import REFUSED, RankMismatchError, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
+from puredist._inputs import _FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
 from puredist._staged import nothing_changed
@@ -301,7 +302,8 @@ def compressed_mean(
     simulated = _check_compressible(leaves, collective, layout)
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]
-    if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1):
+    if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
+            and leaves[0].dtype not in _FLOAT8:  # (no multi-tensor kernel copies float8)
         return _compressed_mean_plain(leaves, residuals, compressor, collective, context)
     count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
     given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
@@ -322,6 +324,8 @@ def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Te
     results are tensors of their own (no shared storage or version counter: a
     pure function's outputs), copied out of the flat results by one multi-tensor op
     each (``x * 1`` is ``x`` exactly)."""
+    if len(residuals) != len(leaves):
+        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
     shapes = list(map(_SHAPE, residuals))
     if shapes != list(map(_SHAPE, leaves)):
         i = next(i for i, (r, leaf) in enumerate(zip(shapes, leaves)) if r != leaf.shape)
