@@ -160,3 +160,13 @@ def test_param_groups_given_as_iterators_select_what_torchs_function_selects():
         theirs = torch_utils.get_params_to_average(groups(layers))
         assert [id(p) for p in ours] == [id(p) for p in theirs] and len(ours) == 5
 
+    def endless():  # a bad element raises when it is reached, as torch's: nothing after it is read
+        yield from model().parameters()
+        yield 5
+        while True:
+            yield torch.nn.Parameter(torch.ones(1))
+
+    for get in (torch_utils.get_params_to_average, classic.get_params_to_average):
+        with pytest.raises(NotImplementedError, match="Parameter input of type <class 'int'> is not supported"):
+            get(endless())
+

@@ -46,18 +46,17 @@ def get_params_to_average(
         NotImplementedError: an element is neither a ``Parameter`` nor a param-group
             dict (torch's exception type and message).
     """
-    params = list(params)
-    if all(map(isinstance, params, repeat(torch.nn.Parameter))):  # a model's parameters
-        return _with_grad(params)
-    selected = []
-    for param in params:  # param groups
+    selected: list[torch.nn.Parameter] = []
+    run: list[torch.nn.Parameter] = []  # parameters read since the last group: selected in one C-level pass
+    for param in params:  # read once and in order, as torch does: a bad element raises when it is reached
         if isinstance(param, torch.nn.Parameter):
-            selected.extend(_with_grad([param]))
+            run.append(param)
         elif isinstance(param, dict):
-            selected.extend(_with_grad(list(param["params"])))  # (read once: it may be an iterator)
+            selected += _with_grad(run) + _with_grad(list(param["params"]))  # (a group's may be an iterator)
+            run = []
         else:
             raise NotImplementedError(f"Parameter input of type {type(param)} is not supported")
-    return selected
+    return selected + _with_grad(run)
 
 
 _GRAD = operator.attrgetter("grad")
