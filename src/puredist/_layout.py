@@ -85,7 +85,7 @@ def _summary(tensors: Sequence[torch.Tensor]) -> tuple[int, int, int]:
 def _key(tensors: Sequence[object]) -> tuple | None:
     """The cache key of ``tensors``, or ``None`` when they are not to be cached."""
     kinds = set(map(type, tensors))
-    if not kinds <= _PLAIN:
+    if not kinds <= PLAIN_TYPES:
         return None  # DTensors, other subclasses, non-tensors: one call at a time
     try:
         return (
@@ -97,7 +97,8 @@ def _key(tensors: Sequence[object]) -> tuple | None:
         return None
 
 
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+"""The tensor types whose metadata is read as it is (no DTensor, no other subclass)."""
 _METADATA = operator.attrgetter("shape", "dtype", "device")
 
 

@@ -25,6 +25,8 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from puredist._layout import PLAIN_TYPES
+
 _NAMESPACE = "puredist"
 
 PyTree = Any
@@ -59,15 +61,14 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], Any]:
         kept = [leaf is not None for leaf in leaves]
         return [leaf for leaf in leaves if leaf is not None], _TracedSpec(spec, kept)
     kind = type(tree)
-    if (kind is list or kind is tuple) and set(map(type, tree)) <= _PLAIN:
+    if (kind is list or kind is tuple) and set(map(type, tree)) <= PLAIN_TYPES:
         return list(tree), _flat_spec(kind, len(tree))
-    if kind is dict and set(map(type, tree)) <= _STR and set(map(type, tree.values())) <= _PLAIN:
+    if kind is dict and set(map(type, tree)) <= _STR and set(map(type, tree.values())) <= PLAIN_TYPES:
         return list(tree.values()), _flat_spec(dict, tuple(tree))
     with optree.dict_insertion_ordered(True, namespace=_NAMESPACE):
         return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
 
 
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
 _STR = {str}  # (keys that are equal only when they are the same key: 1, 1.0 and True are not)
 _FLAT_SPECS: dict[tuple, optree.PyTreeSpec] = {}
 _FLAT_SPECS_KEPT = 64
