@@ -396,3 +396,22 @@ def _optimizers_on_the_gpu(rank, world_size):
 
 def test_the_functional_optimizers_on_the_gpu_equal_torch_optim_bitwise_with_every_kernel():
     run_workers(_optimizers_on_the_gpu, 1)
+
+
+GPU_ALGORITHMS = ("ddp", "periodic", "zero", "diloco", "diloco_int8")
+
+
+def test_the_main_job_trains_on_the_gpu_as_on_the_cpu(tmp_path):
+    """``python -m puredist demo --device cuda``: two workers (NCCL with a GPU each,
+    else both on GPU 0 over Gloo) train every algorithm that runs on a GPU, the output
+    names the GPU, and each held-out loss is the CPU run's within 2 % (the same seeds
+    and minibatches; only the kernels' rounding differs, over 40 steps)."""
+    from test_demo import run_demo
+
+    options = ("--world-size", "2", "--steps", "40", "--algorithms", ",".join(GPU_ALGORITHMS))
+    done, on_gpu = run_demo(tmp_path / "gpu", "--device", DEVICE, *options, timeout=600)
+    _, on_cpu = run_demo(tmp_path / "cpu", "--device", "cpu", *options, timeout=600)
+    assert DRY_RUN or " GPU" in done.stdout.splitlines()[0], done.stdout
+    for algorithm in GPU_ALGORITHMS:
+        assert on_gpu[algorithm]["eval_accuracy"] > 0.5, algorithm
+        assert on_gpu[algorithm]["eval_loss"] == pytest.approx(on_cpu[algorithm]["eval_loss"], rel=0.02), algorithm
