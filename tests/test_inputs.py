@@ -73,6 +73,25 @@ def test_unsupported_tensors_are_refused_naming_the_leaf_and_the_reason(bad, mat
     _refused([torch.randn(2, 4), bad], match, error)
 
 
+def test_an_inference_tensor_is_refused_outside_inference_mode_and_averaged_inside_it():
+    with torch.inference_mode():
+        made = [torch.randn(2, 4), torch.randn(2, 4)]
+    # torch refuses to write an inference tensor outside inference mode: found before any other is averaged
+    _refused([torch.randn(2, 4), made[1]], r"leaf 1 .*inference tensor.*inference_mode")
+    expected = [t.mean(0, keepdim=True).expand_as(t) for t in made]
+    with torch.inference_mode():
+        puredist.average_(made, collective=SimulatedCollective(2))
+    assert all(torch.equal(t, e) for t, e in zip(made, expected))
+    # the same tensors, so the same addresses and metadata, outside the mode again: refused again
+    _refused(made, r"leaf 0 .*inference tensor")
+
+
+def test_a_conjugate_view_is_refused_even_after_its_base_was_averaged():
+    z = torch.randn(2, 3, dtype=torch.complex64)
+    puredist.average_([z], collective=SimulatedCollective(2))  # its layout is now known (and equal to the view's)
+    _refused([torch.randn(2, 4), z.conj()], r"leaf 1 is a conjugate view.*tensor it conjugates")
+
+
 def test_complex_tensors_are_averaged_as_complex_numbers():
     stacked = torch.randn(4, 3, dtype=torch.complex64)
     out = puredist.average(stacked, collective=SimulatedCollective(4))

@@ -9,7 +9,9 @@ late in a list can never leave the earlier ones averaged and the later ones not:
 - a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
   mean would write one memory location several times;
 - two tensors sharing memory (the same tensor passed twice, or overlapping views):
-  each would be reduced from values the other has already replaced.
+  each would be reduced from values the other has already replaced;
+- an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
+  it there), and a conjugate view of a complex tensor (it has no real view).
 
 Complex tensors are averaged as their real view (real and imaginary parts are
 averaged independently, which is the complex mean). A DTensor is averaged as its
@@ -114,9 +116,9 @@ def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "ten
     layout = result.layout = layout_of(result)
     if not layout.checked:
         layout.memo["real"] = _check_each(result, arg, noun, in_place=True)
-        _check_disjoint(_reduced(result, layout), arg, noun)
+        _check_disjoint(_reduced(result, layout, arg, noun), arg, noun)
         layout.checked = True
-    result.reduced = _reduced(result, layout)
+    result.reduced = _reduced(result, layout, arg, noun)
     return result
 
 
@@ -140,7 +142,7 @@ def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *
     return result
 
 
-def _reduced(tensors: list, layout: Layout) -> list[torch.Tensor]:
+def _reduced(tensors: list, layout: Layout, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
     """``tensors`` as the collective writes them: the positions ``layout`` marked
     (complex, DTensor) converted, the rest as they are."""
     converted = layout.memo["real"]
@@ -149,6 +151,12 @@ def _reduced(tensors: list, layout: Layout) -> list[torch.Tensor]:
     reduced = list(tensors)
     for position in converted:
         tensor = local_shard(reduced[position])
+        if tensor.is_conj():  # (per call: a conjugate view has its base's metadata, so its layout)
+            raise ValueError(
+                f"Arg ``{arg}``: {noun} {position} is a conjugate view (z.conj()), which cannot be written as "
+                "real numbers; average the tensor it conjugates instead (the mean of the conjugates is the "
+                "conjugate of the mean)."
+            )
         reduced[position] = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor
     return reduced
 
@@ -207,6 +215,12 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
             )
         if not in_place:
             continue
+        if local.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"Arg ``{arg}``: {_label(noun, position, tensor)} is an inference tensor (made under "
+                "torch.inference_mode()): torch allows writing it only in inference mode; average it inside "
+                "torch.inference_mode(), or pass a clone made outside it."
+            )
         if _may_overlap_itself(local):
             raise ValueError(
                 f"Arg ``{arg}``: {_label(noun, position, tensor)} has overlapping elements (strides {local.stride()}, "

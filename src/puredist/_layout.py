@@ -92,6 +92,9 @@ def _key(tensors: Sequence[object]) -> tuple | None:
             tuple(map(torch.Tensor.data_ptr, tensors)),
             tuple(map(torch.Tensor.stride, tensors)),
             tuple(map(_METADATA, tensors)),
+            # an inference tensor may be written only in inference mode: both decide the in-place checks
+            tuple(map(torch.Tensor.is_inference, tensors)),
+            torch.is_inference_mode_enabled(),
         )
     except (RuntimeError, NotImplementedError):  # sparse or functorch-wrapped: no storage to key on
         return None
