@@ -415,3 +415,21 @@ def test_the_main_job_trains_on_the_gpu_as_on_the_cpu(tmp_path):
     for algorithm in GPU_ALGORITHMS:
         assert on_gpu[algorithm]["eval_accuracy"] > 0.5, algorithm
         assert on_gpu[algorithm]["eval_loss"] == pytest.approx(on_cpu[algorithm]["eval_loss"], rel=0.02), algorithm
+
+
+def _post_local_sgd_checkpoint_over_nccl(rank, world_size):
+    from puredist.classic import PeriodicModelAverager, PostLocalSGDOptimizer
+
+    model = torch.nn.Linear(4, 3).to(DEVICE)
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      PeriodicModelAverager(period=2, warmup_steps=0))
+    model(torch.ones(2, 4, device=DEVICE)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(saved)  # its check of the ranks' own states goes over a group that takes its tensor
+    return optimizer.averager.step
+
+
+def test_post_local_sgd_loads_its_checkpoint_under_a_device_only_default_group():
+    # an NCCL default group has no CPU backend: torch.distributed refuses a CPU tensor there
+    assert run_workers(_post_local_sgd_checkpoint_over_nccl, 1, backend=ONE_RANK_BACKEND) == [1]

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from puredist._host_groups import exchange
 from puredist.classic.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -131,8 +132,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # a rank holding another rank's file has digests but not its own: it takes part too, and refuses (its
         # momentum is its own even where the parameters are equal, as right after an averaging)
         own = digests.get(f"{LOCAL_DIGEST_KEY}.rank{rank}")
-        foreign = torch.tensor([float(own is None or own != _local_digest(self._params(), state_dict))])
-        dist.all_reduce(foreign, op=dist.ReduceOp.MAX)
+        group, device = exchange(dist.group.WORLD)  # the host side, or the device of a device-only group (NCCL)
+        foreign = torch.tensor([float(own is None or own != _local_digest(self._params(), state_dict))], device=device)
+        dist.all_reduce(foreign, op=dist.ReduceOp.MAX, group=group)
         if foreign.item():
             raise RuntimeError(
                 "PostLocalSGDOptimizer.load_state_dict: some rank would resume from another rank's parameters or "
