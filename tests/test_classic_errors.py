@@ -1,8 +1,10 @@
 """Bad input to the classic layer: the same exception type as torch's class where
 torch raises, a clear error where torch stays silent, and torch's warnings."""
 
+import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
@@ -15,6 +17,7 @@ from workers import run_workers
 CASES = {
     "period 0": (lambda m: m.PeriodicModelAverager(period=0), ValueError),
     "negative warmup": (lambda m: m.PeriodicModelAverager(period=2, warmup_steps=-1), ValueError),
+    "period 0 and negative warmup": (lambda m: m.PeriodicModelAverager(0, -1), ValueError),
     "empty hierarchy": (lambda m: m.HierarchicalModelAverager({}), ValueError),
     "no hierarchy": (lambda m: m.HierarchicalModelAverager(), ValueError),
     "period 0 in hierarchy": (lambda m: m.HierarchicalModelAverager({0: 2, 4: 4}), ValueError),
@@ -26,6 +29,23 @@ CASES = {
 # torch accepts a hierarchy whose periods are not increasing and then never reaches
 # the lower levels' "largest period wins" rule as documented; puredist refuses it.
 PUREDIST_ONLY = {"periods out of order": (lambda m: m.HierarchicalModelAverager({4: 2, 2: 4}), ValueError)}
+# what torch accepts: numpy's integers (from a config or argparse with numpy types), and
+# at a step without averaging, anything as ``params`` (it is not read)
+ACCEPTED = {
+    "numpy ints": lambda m: m.PeriodicModelAverager(period=np.int64(2), warmup_steps=np.int64(1)),
+    "numpy ints in hierarchy": lambda m: m.HierarchicalModelAverager({np.int64(2): np.int64(2), 4: 4}, np.int64(0)),
+    "params not read when not due": lambda m: _not_due(m.PeriodicModelAverager(period=2, warmup_steps=0)),
+    "params not read when not due, hierarchy": lambda m: _not_due(m.HierarchicalModelAverager({2: 2, 4: 4})),
+}
+
+
+def _not_due(averager):
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.zeros(3)
+    averager.average_parameters([param])  # step 0: averages
+    unread = iter([torch.zeros(3)])  # a plain tensor would be refused if it were read
+    averager.average_parameters(unread)  # step 1: nothing due
+    assert averager.step == 2 and next(unread) is not None
 
 
 def _raised(build, module):
@@ -46,13 +66,16 @@ def _all_cases(rank, world_size):
     results = {}
     for name, (build, _) in {**CASES, **PUREDIST_ONLY}.items():
         results[name] = (_raised(build, _TorchNamespace), _raised(build, classic))
+    for name, build in ACCEPTED.items():
+        results[name] = (_raised(build, _TorchNamespace), _raised(build, classic))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch_averagers.PeriodicModelAverager(period=1)
         classic.PeriodicModelAverager(period=1)
         torch_hierarchical.HierarchicalModelAverager({1: 4})
         classic.HierarchicalModelAverager({1: 4})
-    results["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
+    # the file and line a warning is attributed to: the caller's (filters by module select on it)
+    results["warnings"] = [(w.category.__name__, str(w.message), os.path.basename(w.filename)) for w in caught]
     return results
 
 
@@ -73,6 +96,7 @@ def test_same_exception_type_as_torch(outcomes, case):
     [
         ("period 0", "got 0"),
         ("negative warmup", "got -1"),
+        ("period 0 and negative warmup", "warmup_steps.*got -1"),  # torch checks the warm-up first
         ("last size is not the world", "2 must be equal to the size of arg ``process_group`` 4"),
         ("size does not divide the world", "divisor of the group's size 4, got 3"),
         ("periods out of order", "strictly increasing.*\\[4, 2\\]"),
@@ -91,8 +115,24 @@ def test_unordered_periods_are_refused(outcomes):
 
 def test_period_one_warns_like_torch(outcomes):
     torch_periodic, ours_periodic, torch_hier, ours_hier = outcomes["warnings"]
-    assert ours_periodic == torch_periodic
+    assert ours_periodic == torch_periodic and torch_periodic[2] == "test_classic_errors.py"
     assert ours_hier == torch_hier
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_what_torch_accepts_is_accepted(outcomes, case):
+    (torch_type, torch_message), (our_type, message) = outcomes[case]
+    assert torch_type is None, torch_message
+    assert our_type is None, message
+
+
+def test_without_a_default_group_the_error_is_torchs_type():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    for module in (_TorchNamespace, classic):
+        with pytest.raises(TypeError, match="Invariant encountered: value was None"):
+            module.PeriodicModelAverager(period=2)
 
 
 def _resources_after_constructions(rank, world_size):

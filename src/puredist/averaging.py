@@ -217,8 +217,14 @@ def periodic_averager(period: int, warmup_steps: int = 0) -> Averager:
     Warns:
         UserWarning: ``period == 1`` (DDP alone communicates less), as torch does.
     """
+    return periodic_averager_warning_at(period, warmup_steps, stacklevel=3)
+
+
+def periodic_averager_warning_at(period: int, warmup_steps: int, *, stacklevel: int) -> Averager:
+    """:func:`periodic_averager`, its warning attributed to the frame ``stacklevel``
+    above this one (2: the caller's line; a drop-in class passes its own caller's)."""
     averages = periodic_schedule(period, warmup_steps)
-    warn_if_period_is_one(period, stacklevel=2)
+    warn_if_period_is_one(period, stacklevel=stacklevel)
     return _scheduled_averager(
         lambda step: (averages(step), None),
         lambda collective: None,
@@ -244,11 +250,19 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
     Warns:
         UserWarning: the largest period is 1, as torch does.
     """
+    return hierarchical_averager_warning_at(period_group_sizes, warmup_steps, stacklevel=3)
+
+
+def hierarchical_averager_warning_at(
+    period_group_sizes: Mapping[int, int], warmup_steps: int, *, stacklevel: int
+) -> Averager:
+    """:func:`hierarchical_averager`, its warning attributed as
+    :func:`periodic_averager_warning_at`'s."""
     periods = tuple(period_group_sizes)
     check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())
     level = hierarchical_schedule(periods, warmup_steps)
-    warn_if_max_period_is_one(periods, stacklevel=2)
+    warn_if_max_period_is_one(periods, stacklevel=stacklevel)
 
     def decide(step: int) -> _Decision:
         index = level(step)

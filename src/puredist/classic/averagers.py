@@ -11,14 +11,18 @@ This module must not average by itself: it calls puredist's averagers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+import numbers
+import operator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from puredist.averaging import Averager, AveragerState, periodic_averager
+from puredist._validation import check_warmup_steps
+from puredist.averaging import Averager, AveragerState, periodic_averager_warning_at
 from puredist.classic.utils import get_params_to_average
 from puredist.collectives import DistributedCollective
+from puredist.schedules import periodic_schedule
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
 
@@ -38,7 +42,10 @@ class ModelAverager(ABC):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None):
         if process_group is None and dist.group.WORLD is None:
-            raise ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+            raise TypeError(  # torch's type and text (its not_none check), with the cause
+                "Invariant encountered: value was None when it should not be (the default process group: call "
+                "torch.distributed.init_process_group first)."
+            )
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._state = AveragerState(step=0)
 
@@ -67,11 +74,21 @@ class ModelAverager(ABC):
         self._state = AveragerState(step=int(state_dict["step"]))
 
 
+def as_int(value):
+    """``value`` as an int where it is an integral number other than a bool (numpy's
+    included, which torch's classes take), else as it is (the checks refuse it)."""
+    return operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
 class _CoreAverager(ModelAverager):
-    """A classic averager whose every step is one call of a core averager."""
+    """A classic averager whose averaging steps are each one call of a core averager.
+
+    Subclasses set ``_averager``, ``_collective`` and ``_due(step) -> bool``.
+    """
 
     _averager: Averager
     _collective: DistributedCollective
+    _due: Callable[[int], bool]
 
     def average_parameters(
         self,
@@ -79,11 +96,15 @@ class _CoreAverager(ModelAverager):
     ) -> None:
         """Average parameters (or an optimizer's param groups) that have a ``.grad``
         when the schedule says so at the current ``step``, then increment ``step``.
+        At a step without averaging ``params`` is not read, as in torch.
 
         Raises:
             NotImplementedError: an element is neither a Parameter nor a param group.
             RankMismatchError: ranks selected different parameters (every rank).
         """
+        if not self._due(self.step):
+            self.step += 1
+            return
         self._state = self._averager.update_(
             get_params_to_average(params), self._state, collective=self._collective
         )
@@ -106,7 +127,10 @@ class PeriodicModelAverager(_CoreAverager):
 
     def __init__(self, period, warmup_steps=0, process_group: dist.ProcessGroup | None = None):
         super().__init__(process_group)
-        self._averager = periodic_averager(period, warmup_steps)
+        period, warmup_steps = as_int(period), as_int(warmup_steps)
+        check_warmup_steps(warmup_steps)  # before the period, as torch
+        self._averager = periodic_averager_warning_at(period, warmup_steps, stacklevel=3)  # at the caller's line
+        self._due = periodic_schedule(period, warmup_steps)
         self._collective = DistributedCollective(self.process_group)
         self.warmup_steps = warmup_steps
         self.period = period

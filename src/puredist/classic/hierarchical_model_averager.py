@@ -11,9 +11,10 @@ from collections import OrderedDict
 import torch.distributed as dist
 
 from puredist._validation import check_hierarchy_group_sizes, check_hierarchy_periods
-from puredist.averaging import hierarchical_averager
-from puredist.classic.averagers import _CoreAverager
+from puredist.averaging import hierarchical_averager_warning_at
+from puredist.classic.averagers import _CoreAverager, as_int
 from puredist.collectives import DistributedCollective, subgroup
+from puredist.schedules import hierarchical_schedule
 
 __all__ = ["HierarchicalModelAverager"]
 
@@ -50,9 +51,12 @@ class HierarchicalModelAverager(_CoreAverager):
 
     def __init__(self, period_group_size_dict=None, warmup_steps=0, process_group=None):
         super().__init__(process_group)
-        hierarchy = dict(period_group_size_dict or {})
+        hierarchy = {as_int(period): as_int(size) for period, size in (period_group_size_dict or {}).items()}
+        warmup_steps = as_int(warmup_steps)
         check_hierarchy_periods(tuple(hierarchy), arg="period_group_size_dict")  # torch's names in messages
-        self._averager = hierarchical_averager(hierarchy, warmup_steps)
+        self._averager = hierarchical_averager_warning_at(hierarchy, warmup_steps, stacklevel=3)  # at the caller's line
+        levels = hierarchical_schedule(tuple(hierarchy), warmup_steps)
+        self._due = lambda step: levels(step) is not None
         overall_group_size = dist.get_world_size(group=self.process_group)
         check_hierarchy_group_sizes(
             tuple(hierarchy.values()), overall_group_size, arg="period_group_size_dict", whole="arg ``process_group``"
