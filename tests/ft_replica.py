@@ -179,7 +179,7 @@ def train(manager, store, spec: dict) -> None:
         if step == spec.get("slow_at"):
             time.sleep(spec["slow_s"])
         local_step(params, spec["index"], step)
-        before = _snapshot(state)
+        before, failed = _snapshot(state), ft.failed
         try:
             new = ft.update_(params, state)
         except HealFailed as error:
@@ -190,7 +190,7 @@ def train(manager, store, spec: dict) -> None:
                 heal_errors = [str(error), str(again) == str(error) and again.__cause__ is error.__cause__,
                                type(error.__cause__).__name__]
             break
-        if new is state:
+        if ft.failed != failed:  # nothing applied: `state` itself returned, or (healed in it) the peer's state
             failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
         else:
             worlds.append(ft.collective.world_size)

@@ -374,3 +374,42 @@ def test_an_abandoned_replay_leaves_the_quorum_its_heal_opened(abandoned):
             collective.mean_([torch.ones(2)], context="x")
     assert manager.quorums == (2 if abandoned else 1)
 
+
+
+class _HealingOuterManager(_HealingManager):
+    """A stand-in manager whose first quorum heals this replica with ``peer`` (a
+    transform's ``state_dict``), loading it as torchft does during ``start_quorum``;
+    each quorum clears the error recorded in the last, as torchft's does."""
+
+    def __init__(self, peer: dict) -> None:
+        super().__init__()
+        self.peer, self.loads = peer, []
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        self.loads.append(load)
+
+    def start_quorum(self) -> None:
+        self.error = None
+        super().start_quorum()
+        if self.quorums == 1:
+            for load in self.loads:
+                load(self.peer)
+
+
+def test_a_heal_is_kept_when_the_synchronization_run_again_after_it_raises():
+    # the healed replica's replay joins the healing quorum, where here nobody contributes: it raises. The caller
+    # still holds its state from before the heal, while the manager is at its peers' step; the next update_ given
+    # that state goes on from the healed one (before, it ran from step 0 against the peers' step and failed forever)
+    from puredist.ft import FaultTolerantOuter
+
+    transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=2, warmup_steps=1)
+    params = [torch.ones(3)]
+    before = transform.init(params)
+    peer = {**transform.state_dict(before, rank=0), "step": 3, "global.0": torch.full((3,), 5.0)}
+    outer = FaultTolerantOuter(transform, _HealingOuterManager(peer))
+    with pytest.raises(puredist.RankMismatchError, match="every one is healing"):
+        outer.update_(params, before)
+    assert outer.heals == 1 and torch.equal(params[0], torch.full((3,), 5.0))
+    after = outer.update_(params, before)  # alone in a quorum of its own now: the synchronization at step 3 completes
+    assert (after.step, outer.failed) == (4, 0)
+    assert torch.equal(after.global_params[0], torch.full((3,), 5.0)) and torch.equal(params[0], after.global_params[0])

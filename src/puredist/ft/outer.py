@@ -83,6 +83,7 @@ class FaultTolerantOuter:
         self.heal_failure: HealFailed | None = None
         self._serving: OuterState | None = None
         self._received: dict[str, Any] | None = None
+        self._resume: tuple[OuterState | None, OuterState | None] = (None, None)  # (stale state, healed state)
         manager.register_state_dict_fn(key, self._receive, self._serve)
 
     def _serve(self) -> dict[str, Any]:
@@ -97,9 +98,15 @@ class FaultTolerantOuter:
     def update_(self, params: PyTree, state: OuterState) -> OuterState:
         """``transform.update_(params, state, collective=self.collective)``, tolerant of
         faults: returns the new state; where the synchronization failed, ``state``
-        itself (nothing applied, ``failed`` counts it); where this replica healed,
-        the state its peers reach in this synchronization (and ``params`` hold its
-        global copy, updated in place).
+        itself (nothing applied, ``failed`` counts it) or, where this replica healed
+        in it, the peer's state it healed to; where this replica healed, the state
+        its peers reach in this synchronization (and ``params`` hold its global copy,
+        updated in place).
+
+        A heal is never lost: where the synchronization run again after a heal raises
+        (its peers refused it, or passed other contexts), the healed state is kept,
+        and the next ``update_`` given the same ``state`` object as this one (the
+        caller's, from before the heal) starts from the healed state instead.
 
         Raises:
             RankMismatchError: the replicas passed different layouts or contexts.
@@ -114,6 +121,11 @@ class FaultTolerantOuter:
         """
         if self.heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
             raise HealFailed(str(self.heal_failure)) from self.heal_failure.__cause__
+        stale, healed_to = self._resume
+        self._resume = (None, None)
+        if state is stale:  # the last update_ healed, then raised: its caller still holds the state from before
+            state = healed_to
+        given = state
         self._serving = state
         while True:
             try:
@@ -134,6 +146,10 @@ class FaultTolerantOuter:
                 self.failed += 1
                 self.last_error = error
                 return state
+            except Exception:
+                if state is not given:  # healed in this call: the manager is at its peers' step, and so is `state`
+                    self._resume = (given, state)
+                raise
 
     def _healed(self, params: PyTree, state: OuterState) -> OuterState:
         """The peer's state received in this quorum (checked against ``state``), its
