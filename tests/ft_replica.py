@@ -138,11 +138,20 @@ def compressed_averaging(manager, spec: dict) -> None:
     averager = puredist.compressed_averager(puredist.int8_blocks(8))
     state = averager.init(params)
     collective = ManagerCollective(manager)
+    refusals = []  # at spec["nan_at"]: (the error's start, torchft's step before, after) of an averaging with a NaN
     for step in range(3):
         local_step(params, spec["index"], step)
+        if step == spec.get("nan_at"):
+            poisoned = {name: t.clone() for name, t in params.items()}
+            next(iter(poisoned.values())).view(-1)[0] = float("nan")
+            before = manager.current_step()
+            try:
+                averager.update(poisoned, state, collective=collective)
+            except ValueError as error:
+                refusals.append((str(error)[:40], before, manager.current_step()))
         means, state = averager.update(params, state, collective=collective)
         params = {name: mean.clone() for name, mean in means.items()}
-    torch.save({"params": params, "residuals": list(state.residuals)}, spec["out"])
+    torch.save({"params": params, "residuals": list(state.residuals), "refusals": refusals}, spec["out"])
 
 
 def train(manager, store, spec: dict) -> None:

@@ -275,6 +275,16 @@ def test_compressed_averaging_runs_over_the_quorum_by_gathering_the_payloads(rep
     assert not torch.equal(residuals[0], residuals[1])  # each replica's own error feedback
 
 
+def test_a_compressed_averaging_refused_for_a_nan_is_not_committed_even_by_a_replica_alone(replicas):
+    # alone in its quorum the refusing replica agrees with itself: the step must still not count as committed
+    # (a replica synchronized with it but absent would otherwise heal for nothing, its residuals lost)
+    replicas.start("r0", 0, compressed_averager=True, nan_at=1)
+    refusals = replicas.result("r0")["refusals"]
+    assert len(refusals) == 1
+    message, before, after = refusals[0]
+    assert message.startswith("Arg ``params`` (plus the error-feedback") and after == before
+
+
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
     for options in ({"delay": 1, "warmup_steps": 1}, {"lower_levels": {2: 1}, "warmup_steps": 1}, {}):
         transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)

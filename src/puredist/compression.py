@@ -50,7 +50,7 @@ from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import _FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
-from puredist._staged import nothing_changed
+from puredist._staged import CollectiveError, nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
 
@@ -263,13 +263,11 @@ def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     numel = rows.shape[1]
     payload = compressor.encode(rows[0] if finite else torch.zeros_like(rows[0]))
     try:
-        gathered = collective.all_gather_rows(list(payload), context=context)
-    except RankMismatchError:
-        if not finite:
+        gathered = collective.all_gather_rows(list(payload), context=context, refused=not finite)
+    except (RankMismatchError, CollectiveError):
+        if not finite:  # (it voted against the step: not committed, even where every replica refused alike)
             _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
         raise
-    if not finite:  # every replica refused alike (or this one alone): nothing to average
-        _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
     mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
     return mean, rows - compressor.decode(payload, numel)
 

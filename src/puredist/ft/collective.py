@@ -191,17 +191,25 @@ class ManagerCollective:
         digest = " ".join(str(_value_digest(t)) for t in given.reduced)
         self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
 
-    def all_gather_rows(self, tensors: Sequence[torch.Tensor], *, context: str) -> list[list[torch.Tensor]]:
+    def all_gather_rows(
+        self, tensors: Sequence[torch.Tensor], *, context: str, refused: bool = False
+    ) -> list[list[torch.Tensor]]:
         """One torchft step that gathers ``tensors`` (any dtypes, e.g. compressed
         payloads) from every contributing replica: their rows, in quorum order (this
         replica's among them unless it is healing). What
         :func:`puredist.compression.compressed_mean` runs over a quorum.
 
+        ``refused``: this replica refuses the step (its values are not finite; its
+        ``context`` says so, so a replica that does not refuse raises
+        :class:`~puredist.RankMismatchError`): it takes part, then votes against,
+        so that the step is not committed even where every contributor refused alike.
+
         Raises:
             Healed: as :meth:`mean_`.
             RankMismatchError: on every replica, when they pass different shapes,
                 dtypes or contexts.
-            CollectiveError: the quorum, a gather or the vote failed.
+            CollectiveError: the quorum, a gather or the vote failed (with ``refused``:
+                always, the vote).
         """
         from torch.distributed.distributed_c10d import AllgatherOptions
         from torchft.process_group import ManagedProcessGroup
@@ -221,6 +229,8 @@ class ManagerCollective:
                 gathered.append(outputs)
         except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
             self.manager.report_error(cause)
+        if refused:  # nothing is applied: the step must not count as committed
+            self.manager.report_error(ValueError(f"{what}: this replica refused the step ({context})"))
         self._commit(tensors, what, "the gather")
         _raise_if_healed(role, what)
         flags, *columns = gathered
