@@ -319,6 +319,9 @@ class _RecordingManager:
     def current_step(self) -> int:
         return 0
 
+    def batches_committed(self) -> int:
+        return 0
+
     def start_quorum(self) -> None:
         if self.fault == "quorum":
             self.report_error(RuntimeError("injected: the process group's setup failed"))
@@ -423,3 +426,53 @@ def test_a_heal_is_kept_when_the_synchronization_run_again_after_it_raises():
     after = outer.update_(params, before)  # alone in a quorum of its own now: the synchronization at step 3 completes
     assert (after.step, outer.failed) == (4, 0)
     assert torch.equal(after.global_params[0], torch.full((3,), 5.0)) and torch.equal(params[0], after.global_params[0])
+
+
+class _PairedManager(_RecordingManager):
+    """One of two stand-in managers, each driven by its own thread, whose all-reduce
+    sums over both (a real exchange, by a barrier), at a given count of committed
+    batches."""
+
+    def __init__(self, barrier, slots: list, index: int, committed: int) -> None:
+        super().__init__(fault="")
+        self.barrier, self.slots, self.index, self.committed = barrier, slots, index, committed
+
+    def batches_committed(self) -> int:
+        return self.committed
+
+    def allreduce(self, tensor, reduce_op):
+        self.slots[self.index] = tensor.clone()
+        self.barrier.wait()
+        total = self.slots[0] + self.slots[1]
+        self.barrier.wait()
+        tensor.copy_(total)
+        return super().allreduce(tensor, reduce_op)
+
+
+@pytest.mark.parametrize("histories", [(8, 8), (11, 10)])
+def test_replicas_with_different_committed_histories_all_refuse(histories):
+    # torchft's vote is per replica group: where some replicas committed a step and others redid it without them,
+    # both are at the same step with different tensors; their next common reduction must refuse, not average
+    import threading
+
+    barrier, slots, outcomes = threading.Barrier(2, timeout=30), [None, None], [None, None]
+
+    def replica(index: int) -> None:
+        tensor = torch.full((4,), float(index))
+        manager = _PairedManager(barrier, slots, index, histories[index])
+        try:
+            ManagerCollective(manager).mean_([tensor], context="the same")
+            outcomes[index] = tensor
+        except puredist.RankMismatchError as error:
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if histories[0] == histories[1]:
+        assert all(torch.equal(t, torch.full((4,), 0.5)) for t in outcomes)
+    else:
+        assert all(isinstance(e, puredist.RankMismatchError) and "committed different histories" in str(e)
+                   for e in outcomes), outcomes

@@ -291,8 +291,13 @@ class ManagerCollective:
 
     def _check(self, given, agreed: str, role: str, device: torch.device, what: str) -> int:
         """The rank check: how many replicas contribute, once all that are checked
-        (every role but :data:`_HEALED`, whose schedule is stale) agree on ``agreed``."""
-        h1, h2 = _digests(agreed)
+        (every role but :data:`_HEALED`, whose schedule is stale) agree on ``agreed``
+        and on their history: torchft's count of committed batches (a peer's, taken
+        with its step in a heal). torchft's vote is per replica group, so some
+        replicas may commit a step that others fail; where those redo it in a quorum
+        of their own, both reach the same step with different tensors, and only
+        this count tells them apart at their next common quorum."""
+        h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
         checked = 0.0 if role == _HEALED else 1.0
         row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
                             1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
@@ -304,7 +309,8 @@ class ManagerCollective:
         members, s1, q1, s2, q2, count = (int(v) for v in row.tolist())
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
             reason = ("no replica contributes (every one is healing)" if count < 1 else
-                      "the replicas passed different tensor layouts or contexts")
+                      "the replicas passed different tensor layouts or contexts, or committed different histories "
+                      "(a step that some replicas committed and others redid in a quorum without them)")
             error = RankMismatchError(f"{what} at torchft step {self.manager.current_step()}: {reason}; nothing was "
                                       "changed.", layouts_differ=count >= 1)
             self.manager.report_error(error)
