@@ -116,7 +116,7 @@ class ManagerCollective:
 
     @property
     def world_size(self) -> int:
-        """The replicas that contributed to the last reduction (0 before the first)."""
+        """The replicas that contributed to the last committed reduction (0 before the first)."""
         return self._world_size
 
     @property
@@ -218,7 +218,8 @@ class ManagerCollective:
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)
         device = tensors[0].device
-        self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", role, device, what)
+        contributors = self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", role, device,
+                                   what)
         group = ManagedProcessGroup(self.manager)
         flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
         gathered = []
@@ -232,6 +233,7 @@ class ManagerCollective:
         if refused:  # nothing is applied: the step must not count as committed
             self.manager.report_error(ValueError(f"{what}: this replica refused the step ({context})"))
         self._commit(tensors, what, "the gather")
+        self._world_size = contributors
         _raise_if_healed(role, what)
         flags, *columns = gathered
         contributes = torch.cat(flags).tolist()  # (one host read)
@@ -257,6 +259,7 @@ class ManagerCollective:
             buffers.append(buffer)
         self._all_reduce(buffers)
         self._commit(given, what, "the data all-reduce")
+        self._world_size = contributors
         _raise_if_healed(role, what)
         if not write_back:
             return
@@ -316,7 +319,6 @@ class ManagerCollective:
             self.manager.report_error(error)
             self._vote()
             raise error
-        self._world_size = count
         return count
 
     def _all_reduce(self, buffers: list[torch.Tensor]) -> None:

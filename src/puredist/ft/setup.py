@@ -54,7 +54,7 @@ def replica_manager(
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if not isinstance(min_replicas, int) or min_replicas < 1:
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise ValueError(f"Arg ``min_replicas`` must be a whole number >= 1, got {min_replicas!r}.")
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not lighthouse:
@@ -84,7 +84,7 @@ def replica_manager(
         replica_id=replica_id,
     )
     # a replica that is behind heals before any reduction; over plain averaging there is nothing to hand over
-    # (it takes part with zeros and receives the mean), but torchft needs a state to serve
+    # (it takes part with zeros, its tensors left unwritten, and raises Healed), but torchft needs a state to serve
     manager.register_state_dict_fn("puredist", lambda saved: None, dict)
     if store is not None:
         _STORES[manager] = store
