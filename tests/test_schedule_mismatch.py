@@ -2,6 +2,8 @@
 RankMismatchError on every rank at the first mismatched collective, with nothing
 changed, instead of pairing different steps' collectives until a timeout."""
 
+import time
+
 import pytest
 import torch
 
@@ -112,3 +114,32 @@ def _different_bucket_caps(rank, world_size):
 def test_collectives_with_different_bucket_caps_raise_on_every_rank_naming_the_cap():
     for message in run_workers(_different_bucket_caps, 2):
         assert "different steps or run different schedules" in message
+
+
+def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
+    params = [torch.ones(3), torch.ones(2) if rank == 0 else torch.ones(2, dtype=torch.int64)]
+    collective = puredist.DistributedCollective()
+    averager = puredist.periodic_averager(2)
+    calls = {
+        "average_": lambda: puredist.average_(params, collective=collective),
+        "average": lambda: puredist.average(params, collective=collective),
+        "averager update_": lambda: averager.update_(params, averager.init(), collective=collective),
+        "collective mean_": lambda: collective.mean_(params),
+    }
+    started = time.monotonic()
+    try:
+        calls[path]()
+    except Exception as error:  # noqa: BLE001 - the type and message are the result
+        return type(error).__name__, str(error), time.monotonic() - started
+    return None, "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("path", ["average_", "average", "averager update_", "collective mean_"])
+def test_a_rank_refusing_its_input_makes_its_peers_raise_at_once_instead_of_waiting(path):
+    # rank 1's int64 leaf cannot be averaged: it raises TypeError before any collective; its peer, about to
+    # reduce, must learn it through the rank check (RankMismatchError naming the refusal), not by a timeout
+    (peer, peer_message, peer_s), (refuser, refuser_message, _) = run_workers(
+        _one_rank_passes_a_leaf_it_cannot_average, 2, path, timeout=60, gloo_timeout=20)
+    assert refuser == "TypeError" and ("leaf 1" in refuser_message or "tensor 1" in refuser_message), refuser_message
+    assert peer == "RankMismatchError" and "refused: TypeError" in peer_message, peer_message
+    assert peer_s < 10

@@ -76,6 +76,22 @@ def _float_leaves(params: PyTree, *, in_place: bool) -> tuple[list[torch.Tensor]
     return leaves, spec
 
 
+def _leaves_or_refusal(params: PyTree, collective: Collective, group_size: int | None, context: object, *,
+                       in_place: bool) -> tuple[list[torch.Tensor], object]:
+    """:func:`_float_leaves`; where they cannot be averaged, this rank's refusal first
+    goes through the rank check its peers run before the reduction (a collective
+    with ``refuse_on_all_ranks``), so that they raise
+    :class:`~puredist.RankMismatchError` naming it instead of waiting for this rank
+    until the backend's timeout. Then raises the error found here."""
+    try:
+        return _float_leaves(params, in_place=in_place)
+    except (TypeError, ValueError) as error:
+        refuse = getattr(collective, "refuse_on_all_ranks", None)
+        if refuse is not None:
+            refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+        raise
+
+
 def average_(
     params: PyTree,
     *,
@@ -107,7 +123,7 @@ def average_(
         CollectiveError: an all-reduce failed; every element holds its old value or
             its mean, as the error details.
     """
-    leaves, _ = _float_leaves(params, in_place=True)
+    leaves, _ = _leaves_or_refusal(params, collective, group_size, "", in_place=True)
     return collective.mean_(leaves, group_size=group_size, async_op=async_op)
 
 
@@ -120,7 +136,7 @@ def average(params: PyTree, *, collective: Collective, group_size: int | None = 
     Under ``torch.func.vmap`` over simulated ranks, pass a
     :class:`~puredist.VmapCollective`.
     """
-    leaves, spec = _float_leaves(params, in_place=False)
+    leaves, spec = _leaves_or_refusal(params, collective, group_size, "", in_place=False)
     return tree_unflatten(spec, collective.mean(leaves, group_size=group_size))
 
 
@@ -183,23 +199,28 @@ def _scheduled_averager(
         del params  # the state holds no tensors
         return AveragerState(step=0)
 
+    def leaves_of(params: PyTree, state: AveragerState, collective: Collective, *, in_place: bool):
+        due, group_size = decide(state.step)
+        context = _ScheduleStep(schedule, state.step)
+        if due:
+            leaves, spec = _leaves_or_refusal(params, collective, group_size, context, in_place=in_place)
+        else:  # bad input is found at every step; no peer waits for this rank's collective then
+            leaves, spec = _float_leaves(params, in_place=in_place)
+        check_collective(collective)
+        return leaves, spec, due, group_size, context
+
     def update(params: PyTree, state: AveragerState, *, collective: Collective):
         """Pure: ``(params or new tensors holding their mean, state at step + 1)``; differentiable."""
-        leaves, spec = _float_leaves(params, in_place=False)
-        check_collective(collective)
-        due, group_size = decide(state.step)
+        leaves, spec, due, group_size, context = leaves_of(params, state, collective, in_place=False)
         if due:
-            means = collective.mean(leaves, group_size=group_size, context=_ScheduleStep(schedule, state.step))
-            params = tree_unflatten(spec, means)
+            params = tree_unflatten(spec, collective.mean(leaves, group_size=group_size, context=context))
         return params, AveragerState(step=state.step + 1)
 
     def update_(params: PyTree, state: AveragerState, *, collective: Collective) -> AveragerState:
         """In place: average ``params``' own storage when due; return the state at step + 1."""
-        leaves, _ = _float_leaves(params, in_place=True)
-        check_collective(collective)
-        due, group_size = decide(state.step)
+        leaves, _, due, group_size, context = leaves_of(params, state, collective, in_place=True)
         if due:
-            collective.mean_(leaves, group_size=group_size, context=_ScheduleStep(schedule, state.step))
+            collective.mean_(leaves, group_size=group_size, context=context)
         return AveragerState(step=state.step + 1)
 
     return Averager(init, update, update_)

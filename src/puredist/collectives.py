@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from puredist._autograd import AllReduceMean
-from puredist._consistency import RankMismatchError, check_same_tensors_on_all_ranks, check_same_values_on_all_ranks
+from puredist._consistency import (
+    RankMismatchError, check_same_tensors_on_all_ranks, check_same_values_on_all_ranks, with_refusal,
+)
 from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, exchange, make_twins
@@ -304,11 +306,32 @@ class DistributedCollective:
             CollectiveError: an all-reduce failed (a peer died, a timeout); every
                 element holds its old value or its mean, as the error details.
         """
-        given = checked(tensors)
+        try:
+            given = checked(tensors)
+        except (TypeError, ValueError) as error:
+            self.refuse_on_all_ranks(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+            raise
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
         return self._average_over(group, given, async_op=async_op, context=context)
+
+    def refuse_on_all_ranks(self, reason: str, *, group_size: int | None = None, context: object = "") -> None:
+        """Take part, refusing for ``reason``, in the rank check that this rank's peers
+        in the group of ``group_size`` run before their averaging: they raise
+        :class:`~puredist.RankMismatchError` at once, its message showing ``reason``,
+        instead of waiting for this rank until the backend's timeout. Returns (the
+        caller then raises its own error); a no-op where nothing is checked (no
+        rank check, one rank, not a member, an unknown ``group_size``)."""
+        if not self.check_consistency or not self._is_member or (group_size or self._world_size) not in self._groups:
+            return
+        group = self._group(group_size)
+        if dist.get_world_size(group) == 1:
+            return
+        try:
+            self._check_same([], group, context=with_refusal(str(context), reason), what="one averaging all-reduce")
+        except (RankMismatchError, CollectiveError):
+            pass  # (what the peers raise; this rank raises the error it found)
 
     def _average_over(self, group: dist.ProcessGroup, given: Checked, *, async_op: bool, context: str) -> CollectiveHandle | None:
         """:meth:`mean_` over ``group`` once the tensors are checked, at any group size."""
