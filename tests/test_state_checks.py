@@ -161,6 +161,41 @@ def test_a_post_local_sgd_state_with_another_momentum_is_refused_on_every_rank()
     run_workers(_other_momentum_same_parameters, 2)
 
 
+def _optimizer_loaded_before_the_model(rank, world_size, folder, models_of):
+    # per-rank files, loaded as any torch.optim optimizer may be: the optimizer first, then the model. With each
+    # rank's own model the run goes on equal to an uninterrupted one; with another rank's model (models_of), the
+    # first step raises on every rank and steps nothing
+    from test_post_local_sgd import STEPS, params_of
+
+    alone, _ = dist.new_subgroups(group_size=1)
+    model, optimizer, hook_state = build(PUREDIST, alone)
+    for step in range(5):
+        train_step(model, optimizer, rank, step)
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f"{folder}/rank{rank}.pt")
+    dist.barrier()
+    for step in range(5, STEPS):
+        train_step(model, optimizer, rank, step)
+    uninterrupted = params_of(model)
+
+    model, optimizer, hook_state = build(PUREDIST, alone)
+    hook_state.iter = 5
+    optimizer.load_state_dict(torch.load(f"{folder}/rank{rank}.pt")["optim"])
+    model.load_state_dict(torch.load(f"{folder}/rank{models_of[rank]}.pt")["model"])
+    if models_of[rank] != rank or models_of != list(range(world_size)):
+        loaded = params_of(model)
+        with pytest.raises(RuntimeError, match="another rank's parameters.*nothing was stepped"):
+            train_step(model, optimizer, rank, 5)
+        return all(torch.equal(a, b) for a, b in zip(params_of(model), loaded))
+    for step in range(5, STEPS):
+        train_step(model, optimizer, rank, step)
+    return all(torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted))
+
+
+@pytest.mark.parametrize("models_of", [[0, 1], [0, 0]], ids=["own models", "rank 0's model everywhere"])
+def test_post_local_sgd_loaded_before_its_model_resumes_or_refuses_at_the_first_step(tmp_path, models_of):
+    assert run_workers(_optimizer_loaded_before_the_model, 2, str(tmp_path), models_of, timeout=60) == [True, True]
+
+
 def _failed_consolidation(rank, world_size):
     param = torch.nn.Parameter(torch.ones(4))
     zero = ZeroRedundancyOptimizer([param], torch.optim.Adam, lr=0.1)
