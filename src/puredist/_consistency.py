@@ -10,6 +10,11 @@ contiguity (and a DTensor's sharding), and a digest of the caller's *context* (i
 step) — to one small ``all_gather``; every rank sees every summary, so either all
 ranks proceed or all raise the same error, which shows each rank's context.
 
+The check runs over the group about to reduce. Ranks that disagree about *which*
+group (a hierarchical schedule where one rank is at a whole-group step and another at
+a subgroup step) wait in different checks: their backend's timeout ends it, as a
+:class:`~puredist.CollectiveError` that says nothing was changed.
+
 This module must not change a tensor: it reads metadata and values and exchanges
 summaries only.
 """

@@ -49,8 +49,10 @@ class Healed(Exception):
     ``restart_on_heal=True``, it raises at once: nothing was reduced, and the quorum
     stays open for the caller's next reduction, which this replica joins with zeros
     (it must be the reduction its peers are running, from their state). Without, it
-    takes part with zeros (its peers' reduction completes) and raises once the vote
-    is done: its tensors were not written."""
+    takes part with zeros and raises once the vote is done: its tensors were not
+    written, and its peers' reduction completes where it was the same reduction
+    (the same tensors' layout; with a different one, from its stale schedule, the
+    all-reduce fails at the backend's timeout on every replica)."""
 
 
 def _digests(text: str) -> tuple[int, int]:
