@@ -73,6 +73,20 @@ def test_unsupported_tensors_are_refused_naming_the_leaf_and_the_reason(bad, mat
     _refused([torch.randn(2, 4), bad], match, error)
 
 
+def test_views_that_interleave_without_a_common_element_are_averaged_and_overlapping_ones_refused():
+    # byte ranges overlap in every case; only the elements tell them apart
+    base, z = torch.randn(2, 12), torch.randn(2, 5, dtype=torch.complex64)
+    cases = [(base[:, :5], base[:, 5:]), (base[:, ::2], base[:, 1::2]), (z.real, z.imag)]
+    for views in cases:
+        expected = [v.mean(0, keepdim=True).expand_as(v).clone() for v in views]
+        puredist.average_(list(views), collective=SimulatedCollective(2))
+        assert all(torch.equal(v, e) for v, e in zip(views, expected))
+    other = torch.randn(2, 12)
+    _refused([other[:, ::2], other[:, ::3]], r"leafs 0 and 1 share memory")  # columns 0 and 6 in both
+    # odd columns and 3, 7, 11 share; 2, 6, 10 starts between them and shares with neither
+    _refused([other[:, 1::2], other[:, 2::4], other[:, 3::4]], r"leafs 0 and 2 share memory")
+
+
 def test_an_inference_tensor_is_refused_outside_inference_mode_and_averaged_inside_it():
     with torch.inference_mode():
         made = [torch.randn(2, 4), torch.randn(2, 4)]
@@ -107,3 +121,14 @@ def _complex_on_ranks(rank, world_size):
 def test_complex_tensors_are_averaged_on_real_ranks():
     for z in run_workers(_complex_on_ranks, 4):
         assert torch.equal(z, torch.complex(torch.full((3,), 1.5), torch.full((3,), 3.0)))
+
+
+def _interleaved_on_ranks(rank, world_size):
+    base = torch.arange(12.0) * (rank + 1)
+    puredist.average_([base[::2], base[1::2]], collective=DistributedCollective(bucket_cap_bytes=32))
+    return base
+
+
+def test_interleaved_views_are_averaged_on_real_ranks():
+    for base in run_workers(_interleaved_on_ranks, 2):
+        assert torch.equal(base, torch.arange(12.0) * 1.5)

@@ -9,7 +9,9 @@ late in a list can never leave the earlier ones averaged and the later ones not:
 - a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
   mean would write one memory location several times;
 - two tensors sharing memory (the same tensor passed twice, or overlapping views):
-  each would be reduced from values the other has already replaced;
+  each would be reduced from values the other has already replaced (views that
+  interleave without a common element, such as a matrix's column slices, are told
+  apart element by element up to :data:`_EXACT_SPAN` elements);
 - an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
   it there), and a conjugate view of a complex tensor (it has no real view).
 
@@ -231,11 +233,39 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
     return tuple(converted)
 
 
+_EXACT_SPAN = 1 << 22
+"""Elements up to which two tensors whose byte ranges overlap are compared element by
+element (an int64 index per element of their common range: 32 MiB); beyond, they are
+taken to share memory."""
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b``, whose byte ranges overlap, have an element in common:
+    exactly for views of one element size on one grid (column slices, even and odd
+    elements, a complex tensor's real and imaginary parts), else assumed."""
+    size = a.element_size()
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    start, end = min(a_start, b_start), max(a_end, b_end)
+    if b.element_size() != size or (a_start - b_start) % size or (end - start) // size > _EXACT_SPAN:
+        return True
+    grid = torch.arange((end - start) // size)  # the common range's elements, numbered
+
+    def elements(tensor: torch.Tensor, first: int) -> torch.Tensor:
+        return grid.as_strided(tensor.shape, tensor.stride(), (first - start) // size).reshape(-1)
+
+    return bool(torch.isin(elements(a, a_start), elements(b, b_start)).any())
+
+
 def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:
-    # sorted by (device, start): a tensor overlapping any later one overlaps the next one
+    # sorted by (device, start): the tensors whose ranges overlap one's are those after it that start inside it
     spans = sorted((str(t.device), *_byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
-    for (device, _, end, first), (next_device, start, _, second) in zip(spans, spans[1:]):
-        if device == next_device and start < end:
+    for i, (device, _, end, first) in enumerate(spans):
+        for j in range(i + 1, len(spans)):
+            next_device, start, _, second = spans[j]
+            if next_device != device or start >= end:
+                break
+            if not _share_elements(tensors[first], tensors[second]):
+                continue  # interleaved, each element its own
             a, b = sorted((first, second))
             raise ValueError(
                 f"Arg ``{arg}``: {noun}s {a} and {b} share memory (the same tensor twice, or overlapping "
