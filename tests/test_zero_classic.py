@@ -200,6 +200,27 @@ def test_mismatched_plans_raise_on_every_rank_and_update_nothing():
     assert run_workers(_mismatched_plans, 2) == [True, True]
 
 
+def _consolidate_out_of_step(rank, world_size, case):
+    model = make_net()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    model.zero_grad()
+    loss_of(model, rank, 0).backward()
+    optimizer.step()
+    with pytest.raises(puredist.RankMismatchError, match="consolidate"):
+        if rank == 1 and case == "a step against a consolidation":  # (an extra step on rank 1)
+            optimizer.step()
+        else:
+            optimizer.consolidate_state_dict(to=rank if case == "different destinations" else 0)
+    return True
+
+
+@pytest.mark.parametrize("case", ["a step against a consolidation", "different destinations"])
+def test_consolidating_ranks_out_of_step_raise_on_every_rank_instead_of_aborting(case):
+    # the gathered states would differ in size, or go to different ranks: Gloo aborted the process ("Received
+    # data size doesn't match expected size") or waited for the timeout
+    assert run_workers(_consolidate_out_of_step, 2, case, timeout=60, gloo_timeout=20) == [True, True]
+
+
 def _bad_input(rank, world_size):
     model = DDP(make_net())
     errors = {}

@@ -361,6 +361,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _consolidate(self, to: int) -> None:
         params = self._all_params
+        # ranks at other steps (or one stepping while another consolidates) would gather states of different sizes
+        self._collective.check_same_on_all_ranks(
+            params, context=f"plan {self._plan.digest()} step {self._iteration} consolidate to {to}",
+            what="ZeroRedundancyOptimizer.consolidate_state_dict",
+        )
         local = {
             index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
             for index in self._plan.owned_by(self._rank)
