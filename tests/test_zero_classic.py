@@ -221,6 +221,47 @@ def test_consolidating_ranks_out_of_step_raise_on_every_rank_instead_of_aborting
     assert run_workers(_consolidate_out_of_step, 2, case, timeout=60, gloo_timeout=20) == [True, True]
 
 
+def _a_peer_dies_in_the_broadcasts(rank, world_size, api):
+    from faults import fault_at_collective
+
+    torch.manual_seed(0)
+    params = [torch.randn(n) for n in (40, 30, 20, 10, 5, 3)]
+    grads = [torch.full_like(p, 0.5) for p in params]
+    before = [p.clone() for p in params]
+    stepped = [p.clone() for p in params]  # the oracle: torch's SGD over every parameter
+    for p, g in zip(stepped, grads):
+        p.sub_(0.1 * g)
+    if rank == 1:
+        fault_at_collective(0, how="die", when="before")  # never sends its own parameters
+    with pytest.raises(puredist.CollectiveError) as error:
+        if api == "classic":
+            leaves = [torch.nn.Parameter(p) for p in params]
+            for leaf, g in zip(leaves, grads):
+                leaf.grad = g
+            optimizer = ZeroRedundancyOptimizer(leaves, optimizer_class=torch.optim.SGD, lr=0.1)
+            owners = optimizer._plan.owners
+            params = leaves
+            optimizer.step()
+        else:
+            zero = puredist.zero(puredist.sgd(lr=0.1))
+            plan = puredist.plan_zero([p.numel() for p in params], world_size)
+            owners = plan.owners
+            zero.update_(params, grads, zero.init(params, plan=plan, rank=rank), collective=puredist.DistributedCollective())
+    # its own parameters stepped, the others' old (nothing received), and the error says exactly that
+    mine = [owner == rank for owner in owners]
+    assert error.value.completed_elements == tuple(p.numel() if m else 0 for p, m in zip(params, mine))
+    assert "restore the parameters and the optimizer state" in str(error.value)
+    for p, m, old, new in zip(params, mine, before, stepped):
+        assert torch.equal(p.detach(), new if m else old)
+    return sorted(set(owners)) == [0, 1] and any(mine)
+
+
+@pytest.mark.parametrize("api", ["classic", "functional"])
+def test_a_peer_dying_in_the_broadcasts_is_reported_per_parameter(api):
+    # rank 0 stepped its own parameters; rank 1 died before broadcasting its own: rank 0 received nothing
+    assert run_workers(_a_peer_dies_in_the_broadcasts, 2, api, victims=(1,), timeout=60, gloo_timeout=20) == [True, None]
+
+
 def _bad_input(rank, world_size):
     model = DDP(make_net())
     errors = {}

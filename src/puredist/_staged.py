@@ -61,7 +61,8 @@ class CollectiveError(RuntimeError):
     """
 
     def __init__(self, what: str, completed_elements: Sequence[int], totals: Sequence[int], failed_bucket: int | None,
-                 buckets: int, cause: BaseException, *, stage: str = "the rank check"):
+                 buckets: int, cause: BaseException, *, stage: str = "the rank check",
+                 advice: str = "The process group may be broken; retrying on a working group is safe."):
         self.completed_elements = tuple(completed_elements)
         self.failed_bucket = failed_bucket
         self.buckets = buckets
@@ -70,8 +71,7 @@ class CollectiveError(RuntimeError):
         super().__init__(
             f"{what} failed {where} ({type(cause).__name__}: "
             f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''}). No tensor holds a partial "
-            f"result: {_progress(self.completed_elements, totals)}. The process group may be broken; "
-            "retrying on a working group is safe."
+            f"result: {_progress(self.completed_elements, totals)}. {advice}"
         )
 
 

@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
-from puredist.collectives import CollectiveHandle, DistributedCollective, SimulatedCollective
+from puredist.collectives import CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective
 from puredist.replicas import VmapCollective
 from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist.optim import Optimizer, clone_states
@@ -103,6 +103,32 @@ def broadcast_from_owners_(
         if mine:
             handles.append(collective.broadcast_(mine, src=owner, async_op=True))
     return CollectiveHandle.merged(handles)
+
+
+def wait_for_owners(handle: CollectiveHandle, leaves: Sequence[torch.Tensor], indices: Sequence[int], plan: ZeroPlan,
+                    rank: int, what: str) -> None:
+    """Wait for the owners' broadcasts of the parameters at ``indices`` (this rank's
+    own already stepped). Where one fails, nothing was received (the handle writes all
+    or nothing), so the error says, per parameter: this rank's own among ``indices``
+    hold their stepped values, every other its value from before the step.
+
+    Raises:
+        CollectiveError: a broadcast failed; ``completed_elements`` per parameter, as
+            just said (a retry would step this rank's parameters again).
+    """
+    try:
+        handle.wait()
+    except CollectiveError as error:
+        chosen = set(indices)
+        totals = [leaf.numel() * (2 if leaf.is_complex() else 1) for leaf in leaves]  # (in real components)
+        stepped = [total if i in chosen and plan.owners[i] == rank else 0 for i, total in enumerate(totals)]
+        raise CollectiveError(
+            f"{what} (its owners' broadcasts)", stepped, totals, error.failed_bucket, error.buckets,
+            error.__cause__ or error,
+            advice="The parameters that hold the result are this rank's own, stepped here; the others were not "
+                   "received, so the ranks now differ: restore the parameters and the optimizer state (a "
+                   "checkpoint) before going on. A retry would step this rank's parameters again.",
+        ) from error
 
 
 def _check_stacked(leaves: Sequence[torch.Tensor], replicas: int, arg: str) -> None:
@@ -234,7 +260,8 @@ def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective
         if refusal:  # one rank: no check ran
             raise ValueError(refusal)
     state, handle = _step_and_broadcast(optimizer, leaves, grad_leaves, state, range(len(leaves)), collective)
-    handle.wait()
+    if isinstance(collective, DistributedCollective):
+        wait_for_owners(handle, leaves, range(len(leaves)), state.plan, collective.rank, "One ZeRO step")
     return end_iteration(state)
 
 

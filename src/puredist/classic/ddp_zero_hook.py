@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from puredist.collectives import CollectiveHandle
 from puredist.sharding import plan_zero, reverse_order_buckets
+from puredist.zero_sharded import wait_for_owners
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -65,6 +66,7 @@ class _OverlappedIteration:
         self._interleaved = interleaved
         self._launched: deque[tuple[torch.futures.Future, list[int], list[bool]]] = deque()
         self._broadcasts: list[CollectiveHandle] = []
+        self._stepped: list[int] = []  # the parameters of the buckets stepped so far
         self._finish_queued = False
         self._shapes = [(p.shape, _slot_strides(p)) for p in zero._all_params]
 
@@ -89,15 +91,17 @@ class _OverlappedIteration:
             if used:
                 grads[i] = piece.as_strided(*self._shapes[i], piece.storage_offset())
         self._broadcasts.append(self._zero._step_(grads, indices))
+        self._stepped.extend(indices)
 
     def _finish(self) -> None:
         while self._launched:
             self._step(*self._launched.popleft())
-        for handle in self._broadcasts:
-            handle.wait()
-        self._broadcasts.clear()
-        self._zero._end_iteration()
+        handle, stepped = CollectiveHandle.merged(self._broadcasts), self._stepped  # received: all or nothing
+        self._broadcasts, self._stepped = [], []
         self._finish_queued = False
+        zero = self._zero
+        wait_for_owners(handle, zero._all_params, stepped, zero._plan, zero._rank, "A ZeRO step overlapped with DDP")
+        zero._end_iteration()
 
 
 def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool, interleaved: bool):

@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero_sharded import broadcast_from_owners_
+from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -313,7 +313,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             params, context=f"plan {self._plan.digest()} step {self._iteration}", what="ZeroRedundancyOptimizer.step"
         )
         loss = self._local_step(closure, **kwargs)
-        broadcast_from_owners_(params, range(len(params)), self._plan, self._collective).wait()
+        everything = range(len(params))
+        handle = broadcast_from_owners_(params, everything, self._plan, self._collective)
+        wait_for_owners(handle, params, everything, self._plan, self._rank, "ZeroRedundancyOptimizer.step")
         self._end_iteration()
         return loss
 
