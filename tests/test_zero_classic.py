@@ -262,6 +262,33 @@ def test_a_peer_dying_in_the_broadcasts_is_reported_per_parameter(api):
     assert run_workers(_a_peer_dies_in_the_broadcasts, 2, api, victims=(1,), timeout=60, gloo_timeout=20) == [True, None]
 
 
+def _state_dict_hooks(rank, world_size):
+    calls = {}
+    for name, cls in (("torch", TorchZero), ("puredist", ZeroRedundancyOptimizer)):
+        model = make_net()
+        optimizer = cls(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+        model.zero_grad()
+        loss_of(model, rank, 0).backward()
+        optimizer.step()
+        seen = calls[name] = []
+        optimizer.register_state_dict_pre_hook(lambda opt: seen.append("pre"))
+        optimizer.register_state_dict_post_hook(lambda opt, sd: seen.append("post") or {**sd, "mark": 1})
+        optimizer.register_load_state_dict_pre_hook(lambda opt, sd: seen.append("load pre"))
+        optimizer.register_load_state_dict_post_hook(lambda opt: seen.append("load post"))
+        optimizer.consolidate_state_dict(to=0)
+        if rank == 0:
+            saved = optimizer.state_dict()
+            seen.append(saved.get("mark"))
+            optimizer.load_state_dict(saved)
+    return calls
+
+
+def test_state_dict_hooks_run_as_in_torchs_class():
+    on_rank_0, on_rank_1 = run_workers(_state_dict_hooks, 2)
+    assert on_rank_0["torch"] == ["pre", "post", 1, "load pre", "load post"]  # the post hook's dict returned
+    assert on_rank_0["puredist"] == on_rank_0["torch"] and on_rank_1["puredist"] == on_rank_1["torch"] == []
+
+
 def _bad_input(rank, world_size):
     model = DDP(make_net())
     errors = {}

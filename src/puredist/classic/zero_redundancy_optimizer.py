@@ -390,7 +390,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim`` format, as consolidated
-        (loadable into the non-sharded ``optimizer_class``).
+        (loadable into the non-sharded ``optimizer_class``), through the hooks of
+        ``register_state_dict_pre_hook``/``register_state_dict_post_hook``.
 
         Raises:
             RuntimeError: :meth:`consolidate_state_dict` was not called (on all
@@ -403,14 +404,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             ) from self._consolidation_error
         if self._consolidated is None:
             raise RuntimeError(_NOT_CONSOLIDATED)
-        return self._consolidated
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class runs them
+            pre_hook(self)
+        state_dict = dict(self._consolidated)  # (a hook may change the dict it is given: not the consolidation)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole-optimizer state dict (from :meth:`state_dict`, or from the
         non-sharded ``optimizer_class``); each rank's ``optim`` loads a copy of its
         own share (``optim.load_state_dict``: state follows each parameter's device
-        and dtype). Never shares a tensor with ``state_dict`` (torch's does, so two
-        optimizers loaded from one dict update the same state).
+        and dtype), through the hooks of ``register_load_state_dict_pre_hook``/
+        ``register_load_state_dict_post_hook``. Never shares a tensor with
+        ``state_dict`` (torch's does, so two optimizers loaded from one dict update
+        the same state).
 
         Raises:
             ValueError: the groups differ in number or size from this optimizer's; a
@@ -420,6 +429,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 ranks raise alike) before anything changes: a failed load leaves
                 the optimizer as it was.
         """
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -442,6 +455,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.optim.load_state_dict({"state": local_state, "param_groups": copy.deepcopy(local_groups)})
         _sync_param_groups(copy.deepcopy(saved_groups), self.param_groups)
         self._pristine = False
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
