@@ -113,3 +113,37 @@ def test_whole_buckets_are_owned_by_one_rank_once_ddp_settles_its_buckets():
     assert seen[1] == seen[2] == predicted and len(predicted) > 1  # then the predicted layout
     assert all(len({owners[i] for i in bucket}) == 1 for bucket in seen[2])
     assert len(set(owners)) == 2  # and both ranks own some
+
+
+def _frozen_parameter(rank, world_size):
+    outcomes = []
+    for hook_name, shard in itertools.product(HOOKS, [False, True]):
+        nets = [make_net(), make_net()]
+        for net in nets:
+            net[0].weight.requires_grad_(False)  # frozen: outside DDP's buckets, but in model.parameters()
+        reference, model = (ddp(net, False, False) for net in nets)
+        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05, momentum=0.9)
+        model.register_comm_hook(None, HOOKS[hook_name](allreduce_hook, model, zero, shard_buckets=shard))
+        frozen = model.module[0].weight.detach().clone()
+        for step in range(ITERATIONS):
+            for net in (reference, model):
+                loss_of(net, rank, step).backward()
+            reference_opt.step()
+            reference_opt.zero_grad()
+            zero.zero_grad()
+        outcomes.append(torch.equal(model.module[0].weight, frozen) and all(
+            torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(model.parameters(), reference.parameters())))
+    # still refused: a trainable parameter of DDP's left out, or one that DDP does not hold
+    model = ddp(make_net(), False, False)
+    extra = nn.Parameter(torch.ones(3))
+    for params in (list(model.parameters())[1:], [*model.parameters(), extra]):
+        zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
+        with pytest.raises(ValueError, match="must optimize the parameters of ``ddp`` that require grad"):
+            hook_with_zero_step(allreduce_hook, model, zero)
+    return outcomes
+
+
+def test_a_frozen_parameter_given_to_zero_is_left_alone_as_in_torch():
+    # ZeroRedundancyOptimizer(model.parameters(), ...): torch's overlap skips the parameters that need no grad
+    assert run_workers(_frozen_parameter, 2, timeout=120) == [[True] * 4] * 2

@@ -116,15 +116,20 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
     params = zero._all_params
     index_of = {id(p): i for i, p in enumerate(params)}
     ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
-    if sorted(index_of.get(id(p), -1) for p in ddp_params) != list(range(len(params))):
-        raise ValueError("Arg ``zero`` must optimize exactly the parameters of ``ddp`` that require grad.")
+    trained = sorted(index_of.get(id(p), -1) for p in ddp_params)
+    frozen = sorted(set(range(len(params))) - set(trained))  # never in DDP's buckets, never stepped (as in torch)
+    if trained[:1] == [-1] or len(set(trained)) != len(trained) or any(params[i].requires_grad for i in frozen):
+        raise ValueError(
+            "Arg ``zero`` must optimize the parameters of ``ddp`` that require grad, each once (and may hold "
+            "parameters that do not)."
+        )
     layout = reverse_order_buckets(
         [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _first_bucket_bytes_cap(ddp)
     )
-    buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout]
+    buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout] + ([frozen] if frozen else [])
     zero._adopt_plan(
         plan_zero(
-            [p.numel() for p in params],
+            [0 if i in frozen else p.numel() for i, p in enumerate(params)],  # (the frozen ones weigh nothing)
             zero._collective.world_size,
             strategy="split_buckets" if shard_buckets else "whole_buckets",
             buckets=buckets,
@@ -153,7 +158,8 @@ def hook_with_zero_step(
         hook: the DDP communication hook to wrap (it still runs, unchanged).
         ddp: the DDP module.
         zero: a :class:`ZeroRedundancyOptimizer` built with ``overlap_with_ddp=True``
-            over exactly ``ddp``'s trainable parameters.
+            over ``ddp``'s trainable parameters (and any of its frozen ones, e.g.
+            ``ddp.parameters()``: never stepped, as in torch).
         shard_buckets: ``False``: each bucket (of DDP's settled layout) is owned by
             one rank, buckets balanced largest-first; ``True``: each bucket's
             parameters are spread over ranks.
