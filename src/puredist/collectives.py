@@ -323,7 +323,8 @@ class DistributedCollective:
         instead of waiting for this rank until the backend's timeout. Returns (the
         caller then raises its own error); a no-op where nothing is checked (no
         rank check, one rank, not a member, an unknown ``group_size``)."""
-        if not self.check_consistency or not self._is_member or (group_size or self._world_size) not in self._groups:
+        size = self._world_size if group_size is None else group_size  # (as _group picks it)
+        if not self.check_consistency or not self._is_member or size not in self._groups:
             return
         group = self._group(group_size)
         if dist.get_world_size(group) == 1:

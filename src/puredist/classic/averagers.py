@@ -10,9 +10,9 @@ This module must not average by itself: it calls puredist's averagers.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import numbers
 import operator
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable
 
 import torch

@@ -117,7 +117,7 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
     index_of = {id(p): i for i, p in enumerate(params)}
     ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
     trained = sorted(index_of.get(id(p), -1) for p in ddp_params)
-    frozen = sorted(set(range(len(params))) - set(trained))  # never in DDP's buckets, never stepped (as in torch)
+    frozen = set(range(len(params))) - set(trained)  # never in DDP's buckets, never stepped (as in torch)
     if trained[:1] == [-1] or len(set(trained)) != len(trained) or any(params[i].requires_grad for i in frozen):
         raise ValueError(
             "Arg ``zero`` must optimize the parameters of ``ddp`` that require grad, each once (and may hold "
@@ -126,7 +126,7 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
     layout = reverse_order_buckets(
         [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _first_bucket_bytes_cap(ddp)
     )
-    buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout] + ([frozen] if frozen else [])
+    buckets = [[index_of[id(ddp_params[k])] for k in bucket] for bucket in layout] + ([sorted(frozen)] if frozen else [])
     zero._adopt_plan(
         plan_zero(
             [0 if i in frozen else p.numel() for i, p in enumerate(params)],  # (the frozen ones weigh nothing)
