@@ -132,3 +132,19 @@ def _interleaved_on_ranks(rank, world_size):
 def test_interleaved_views_are_averaged_on_real_ranks():
     for base in run_workers(_interleaved_on_ranks, 2):
         assert torch.equal(base, torch.arange(12.0) * 1.5)
+
+
+def test_a_tensor_changed_in_place_at_the_same_address_is_checked_again():
+    # each change keeps the list's addresses (the layout cache's key) and changes the rest of the metadata
+    values = torch.randn(2, 6)
+    tensors = [torch.randn(2, 4), values]
+    puredist.average_(tensors, collective=SimulatedCollective(2))  # checked and cached as valid
+    values.as_strided_((2, 6), (6, 0))  # same shape, same address: now every row is one element repeated
+    _refused(tensors, r"leaf 1 .*overlapping elements.*strides \(6, 0\)")
+    ints = torch.zeros(2, 6)
+    puredist.average_([ints], collective=SimulatedCollective(2))
+    _refused([ints.view(torch.int32)], r"leaf 0 .*int32", TypeError)  # same address, shape and strides
+    with torch.inference_mode():
+        frozen = torch.randn(2, 4)
+        puredist.average_([frozen], collective=SimulatedCollective(2))  # valid inside the mode
+    _refused([frozen], r"leaf 0 .*inference tensor")

@@ -4,14 +4,16 @@ Validation (:mod:`puredist._inputs`), the rank check's layout summary
 (:mod:`puredist._consistency`) and the bucket plan (:mod:`puredist._buckets`) depend
 only on the tensors' metadata: addresses, shapes, strides, dtypes and devices. A
 training loop passes the same tensors every step, so all of it is computed at the
-first call and looked up afterwards: a call's host work is then one pass reading each
-tensor's metadata (the cache key) plus work per bucket, instead of string formatting
-and checks per tensor.
+first call and looked up afterwards: a call's host work is then a read of each
+tensor's address (the cache key) and one C++ check of the rest of its metadata (the
+guard ``torch.compile`` puts on its inputs), plus work per bucket, instead of string
+formatting and checks per tensor.
 
 The cache holds metadata only, never a tensor: it keeps no memory alive, and a tensor
 freed and another allocated at the same address with the same metadata gets the same
 (still correct) entry. New storage (``p.data = ...``), a new shape, stride, dtype or
-device makes a new key, which is validated and planned afresh. DTensors (their
+device, or a change of ``requires_grad``, inference mode or autocast, misses the
+cache: the tensors are validated and planned afresh. DTensors (their
 sharding is part of what must match) and tensors whose metadata cannot be read
 (sparse, functorch-wrapped) are not cached: a fresh :class:`Layout` serves one call.
 
@@ -22,17 +24,21 @@ This module must not touch tensor values or talk to other ranks (it makes views:
 from __future__ import annotations
 
 import hashlib
-import operator
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 
 from puredist._dtensors import sharding_signature
 
 _CAPACITY = 64
 """Layouts kept (the oldest made dropped first): a few per model and collective."""
 
-_CACHE: dict[tuple, "Layout"] = {}
+_VARIANTS = 4
+"""Layouts kept per list of addresses (the oldest dropped first): the same tensors
+seen in and out of inference mode or autocast, with and without ``requires_grad``."""
+
+_CACHE: dict[tuple[int, ...], list[tuple[TensorGuards, "Layout"]]] = {}
 
 
 def digest(text: str) -> int:
@@ -82,40 +88,54 @@ def _summary(tensors: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     return len(tensors), sum(t.numel() for t in tensors), digest(layouts)
 
 
-def _key(tensors: Sequence[object]) -> tuple | None:
-    """The cache key of ``tensors``, or ``None`` when they are not to be cached."""
-    kinds = set(map(type, tensors))
-    if not kinds <= PLAIN_TYPES:
-        return None  # DTensors, other subclasses, non-tensors: one call at a time
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+"""The tensor types whose metadata is read as it is (no DTensor, no other subclass)."""
+
+
+def _addresses(tensors: Sequence[object]) -> tuple[int, ...] | None:
+    """The cache key of ``tensors``: their data addresses, or ``None`` when they are
+    not to be cached (DTensors, other subclasses, non-tensors; sparse or
+    functorch-wrapped tensors, which have no storage to key on)."""
+    if not set(map(type, tensors)) <= PLAIN_TYPES:
+        return None
     try:
-        return (
-            tuple(map(torch.Tensor.data_ptr, tensors)),
-            tuple(map(torch.Tensor.stride, tensors)),
-            tuple(map(_METADATA, tensors)),
-            # an inference tensor may be written only in inference mode: both decide the in-place checks
-            tuple(map(torch.Tensor.is_inference, tensors)),
-            torch.is_inference_mode_enabled(),
-        )
-    except (RuntimeError, NotImplementedError):  # sparse or functorch-wrapped: no storage to key on
+        return tuple(map(torch.Tensor.data_ptr, tensors))
+    except (RuntimeError, NotImplementedError):
         return None
 
 
-PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
-"""The tensor types whose metadata is read as it is (no DTensor, no other subclass)."""
-_METADATA = operator.attrgetter("shape", "dtype", "device")
+def _guards(tensors: Sequence[torch.Tensor]) -> TensorGuards:
+    """A check, in one C++ pass, that tensors have ``tensors``' metadata: dtypes,
+    devices, shapes, strides, ``requires_grad`` and dispatch keys as seen under the
+    current dispatch state. The keys tell an inference tensor from another and see
+    inference mode and autocast, which decide whether the tensors may be written in
+    place. (torch.compile's guard on its graph inputs.)"""
+    return TensorGuards(
+        *tensors,
+        dynamic_dims_sizes=[list(t.shape) for t in tensors],  # sizes and strides as they are: none is dynamic
+        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+    )
 
 
 def layout_of(tensors: Sequence[object]) -> Layout:
     """The (cached) :class:`Layout` of ``tensors``: the same object for every list of
-    the same metadata, while it stays among the last ``_CAPACITY`` made."""
-    key = _key(tensors)
-    if key is None:
+    the same addresses and metadata (``_guards``), while it stays among the last
+    ``_CAPACITY`` made. A call's cost is a read of each address and one C++ check."""
+    addresses = _addresses(tensors)
+    if addresses is None:
         return Layout(tensors)
-    layout = _CACHE.get(key)  # one lookup: hashing the key is a pass over every tensor's metadata
-    if layout is None:
+    known = _CACHE.get(addresses)
+    for guards, layout in known or ():
+        if guards.check(*tensors):
+            return layout
+    if known is None:
         if len(_CACHE) >= _CAPACITY:
             del _CACHE[next(iter(_CACHE))]
-        layout = _CACHE[key] = Layout(tensors, plain=True)
+        known = _CACHE[addresses] = []
+    elif len(known) >= _VARIANTS:
+        del known[0]
+    layout = Layout(tensors, plain=True)
+    known.append((_guards(tensors), layout))
     return layout
 
 
