@@ -125,8 +125,20 @@ def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
         "average": lambda: puredist.average(params, collective=collective),
         "averager update_": lambda: averager.update_(params, averager.init(), collective=collective),
         "collective mean_": lambda: collective.mean_(params),
+        "collective mean": lambda: collective.mean(params),
     }
     started = time.monotonic()
+    if path.startswith("DiLoCo"):  # steps with valid leaves up to the step named, then rank 1's int64 leaf
+        options = {"int8": dict(compressor=puredist.int8_blocks()), "lower level": dict(lower_levels={1: 2})}
+        kind = path.split(", ")[-1]
+        diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=3, warmup_steps=1,
+                                          **options.get(kind, {}))
+        good = [torch.ones(3), torch.ones(2)]
+        state = diloco.init(good)
+        until = {"step 0": 0, "a synchronization": 1, "int8": 4, "lower level": 2}[kind]
+        while state.step < until:
+            state = diloco.update_(good, state, collective=collective)
+        calls[path] = lambda: diloco.update_(params, state, collective=collective)
     try:
         calls[path]()
     except Exception as error:  # noqa: BLE001 - the type and message are the result
@@ -134,7 +146,9 @@ def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
     return None, "", time.monotonic() - started
 
 
-@pytest.mark.parametrize("path", ["average_", "average", "averager update_", "collective mean_"])
+@pytest.mark.parametrize("path", ["average_", "average", "averager update_", "collective mean_", "collective mean",
+                                  "DiLoCo, step 0",
+                                  "DiLoCo, a synchronization", "DiLoCo, int8", "DiLoCo, lower level"])
 def test_a_rank_refusing_its_input_makes_its_peers_raise_at_once_instead_of_waiting(path):
     # rank 1's int64 leaf cannot be averaged: it raises TypeError before any collective; its peer, about to
     # reduce, must learn it through the rank check (RankMismatchError naming the refusal), not by a timeout

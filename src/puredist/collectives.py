@@ -367,7 +367,11 @@ class DistributedCollective:
         Raises:
             as :meth:`mean_`.
         """
-        checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
+        try:
+            checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
+        except (TypeError, ValueError) as error:
+            self.refuse_on_all_ranks(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+            raise
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly

@@ -69,8 +69,13 @@ def check_initial_copy(config: OuterConfig, state: OuterState, collective: Colle
     collective.check_replicated(
         list(state.global_params),
         what=f"{config}: the initial parameters (the global copy made by init)",
-        context=f"{config} initial check at step 0",
+        context=initial_check_context(config),
     )
+
+
+def initial_check_context(config: OuterConfig) -> str:
+    """The rank-check context of :func:`check_initial_copy`."""
+    return f"{config} initial check at step 0"
 
 
 def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective: Collective) -> None:

@@ -18,7 +18,9 @@ from puredist._inputs import is_transformed, transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError
 from puredist.optim import clone_states
-from puredist.outer.checks import check_collective, check_initial_copy, check_initial_copy_traced, check_params
+from puredist.outer.checks import (
+    check_collective, check_initial_copy, check_initial_copy_traced, check_params, initial_check_context,
+)
 from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments, fragment_leaves, is_first_sync, lower_level_fragments
 from puredist.outer.state import OuterState
@@ -32,14 +34,45 @@ def _lower_context(config: OuterConfig, step: int) -> str:
 
 def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
     """``(leaves, treespec, leaf indices per fragment)`` of ``params``, once the inputs
-    passed :mod:`puredist.outer.checks` (at step 0, the initial copy's too)."""
-    leaves, spec = _float_leaves(params, in_place=not traced)
-    check_params(config, leaves, state)
-    fragments = fragment_leaves(config, leaves)
-    check_collective(config, collective)
+    passed :mod:`puredist.outer.checks` (at step 0, the initial copy's too). Where
+    this rank's inputs fail, its refusal first goes through the rank check its peers
+    run first in this step (see :func:`_first_check`), so that they raise
+    :class:`~puredist.RankMismatchError` naming it instead of waiting for this rank
+    until the backend's timeout; then the error found here is raised."""
+    try:
+        leaves, spec = _float_leaves(params, in_place=not traced)
+        check_params(config, leaves, state)
+        fragments = fragment_leaves(config, leaves)
+        check_collective(config, collective)
+    except (TypeError, ValueError) as error:
+        refuse, first = getattr(collective, "refuse_on_all_ranks", None), _first_check(config, state)
+        if refuse is not None and first is not None:
+            group_size, context = first
+            refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+        raise
     if state.step == 0:
         (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
     return leaves, spec, fragments
+
+
+def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, object] | None:
+    """``(group size, context)`` of the first rank check that :func:`update_` runs at
+    ``state``'s step on a rank whose inputs pass (``None``: the step communicates
+    nothing), in its order: the initial copy's check, a failed synchronization issued
+    again, the first one due, the lower level."""
+    if state.step == 0:
+        return None, initial_check_context(config)
+    for item in state.in_flight:
+        if item.handle.error is not None:
+            return None, SyncContext(config, item.fragment, item.apply_step - config.delay)
+    due = due_fragments(config, state.step)
+    if due:
+        return None, SyncContext(config, due[0], state.step)
+    waiting = {item.fragment for item in state.in_flight if item.apply_step != state.step}
+    level, idle = lower_level_fragments(config, state.step, waiting)
+    if level is not None and idle:  # (every fragment holds a leaf)
+        return config.lower_sizes[level], _lower_context(config, state.step)
+    return None
 
 
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
