@@ -126,7 +126,7 @@ def test_world_size_changes_load_by_the_documented_rule():
     assert restored.step == 4 and restored.in_flight == ()
 
 
-def _lower_level_fails(rank, world_size):
+def _lower_level_fails(rank, world_size, pure):
     # 2 fragments: at step 0 fragment 0 synchronizes over everybody (applied at once) and
     # fragment 1, idle, is averaged within pairs; rank 3 dies before that pair averaging
     transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=2, fragments=2, lower_levels={1: 2})
@@ -138,14 +138,22 @@ def _lower_level_fails(rank, world_size):
     if rank == 3:
         fault_at_collective(1, how="die", when="before")
     try:
-        state = transform.update_(params, state, collective=collective)
+        if pure:
+            params, state = transform.update(params, state, collective=collective)
+        else:
+            state = transform.update_(params, state, collective=collective)
     except CollectiveError as error:
         assert error.state is not None and error.state.step == 1
+        if pure:  # the inputs are untouched; the new parameters come with the new state
+            assert all(torch.equal(p, torch.full_like(p, float(rank))) for p in params)
+            params = error.params
         assert torch.equal(params[1], torch.full((5,), float(rank)))  # the pair averaging wrote nothing
         state = error.state
     assert torch.equal(state.global_params[0], torch.full((3,), 1.5))  # the outer step was applied
+    assert torch.equal(params[0], state.global_params[0])  # and written into the parameters that go with it
     return state.step
 
 
-def test_a_lower_level_failure_after_the_outer_step_carries_the_new_state():
-    assert run_workers(_lower_level_fails, 4, victims=(3,), timeout=60)[:3] == [1, 1, 1]
+@pytest.mark.parametrize("pure", [False, True], ids=["update_", "update"])
+def test_a_lower_level_failure_after_the_outer_step_carries_the_new_state(pure):
+    assert run_workers(_lower_level_fails, 4, pure, victims=(3,), timeout=60)[:3] == [1, 1, 1]

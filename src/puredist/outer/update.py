@@ -116,7 +116,11 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     belong to the collective until then), then works on copies. Under ``torch.func``
     transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
     out of place and differentiably, for ``delay=0`` without a compressor; the
-    state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it)."""
+    state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it). If the
+    lower-level averaging fails after the outer step was applied, the
+    :class:`~puredist.CollectiveError` carries the new parameters with the new state
+    (``error.params``, ``error.state``: to continue from together; the inputs are
+    unchanged)."""
     if transforms_active() and any(is_transformed(t) for t in tree_leaves(params)):
         return traced_update(config, params, state, collective)
     for item in state.in_flight:
@@ -137,7 +141,12 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
         ),
         tuple(t.clone() for t in state.residuals),
     )
-    return tree_unflatten(spec, copies), update_(config, copies, cloned, collective=collective)
+    try:
+        return tree_unflatten(spec, copies), update_(config, copies, cloned, collective=collective)
+    except CollectiveError as error:
+        if getattr(error, "state", None) is not None:  # the global copy was written into the copies
+            error.params = tree_unflatten(spec, copies)
+        raise
 
 
 def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
