@@ -210,3 +210,30 @@ def test_each_sync_sends_the_pseudo_gradient_plus_the_residual_left_by_the_last(
         glob = glob - mean
         torch.testing.assert_close(params[0], glob, rtol=0, atol=1e-6)
     assert any(r.abs().sum() > 0 for r in state.residuals)  # a lossy codec leaves something for later
+
+
+def _outer_step_refused(rank, world_size, numel):
+    # the outer learning rate turns negative at the second outer step: refused before anything is sent
+    transform = puredist.outer_optimizer(puredist.sgd(lr=lambda count: 0.7 if count < 1 else -1.0, momentum=0.9),
+                                         sync_every=1, compressor=puredist.int8_blocks(64))
+    collective = puredist.DistributedCollective()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(numel, generator=gen) for _ in range(3)]
+    state = transform.init(params)
+    drifts = torch.Generator().manual_seed(rank + 1)
+    for _ in range(3):
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=drifts))
+        before = [t.clone() for t in (*params, *state.residuals)]
+        try:
+            state = transform.update_(params, state, collective=collective)
+        except ValueError as error:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, (*params, *state.residuals)))
+            return state.step, "``lr``" in str(error), unchanged
+    return None
+
+
+@pytest.mark.parametrize("numel", [100, 40000], ids=["one flat fragment", "per leaf"])
+def test_an_outer_step_refused_changes_nothing_in_the_state_passed_in(numel):
+    # step 0 only averages and step 1 steps with lr 0.7; step 2 would step with lr -1
+    assert run_workers(_outer_step_refused, 2, numel) == [(2, True, True)] * 2

@@ -75,6 +75,23 @@ def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, ob
     return None
 
 
+def _check_outer_steps(config: OuterConfig, state: OuterState, fragments) -> None:
+    """Raise ``ValueError`` before anything is communicated where the outer optimizer
+    would refuse a step applied at ``state``'s step (a schedule's value out of range,
+    :attr:`~puredist.Optimizer.check`): the synchronizations in flight that apply now
+    and, without a delay, those due (a fragment's first only averages)."""
+    check = config.outer.check
+    if check is None:
+        return
+    applying = {item.fragment: item.apply_step - config.delay for item in state.in_flight
+                if item.apply_step == state.step}
+    if not config.delay:
+        applying.update((f, state.step) for f in due_fragments(config, state.step))
+    for f, started in applying.items():
+        if not is_first_sync(config, f, started):
+            check([state.outer_state[i] for i in fragments[f]])
+
+
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
     """In place (see :class:`~puredist.OuterTransform`). Raises before applying
     anything if a synchronization fails: the state passed in stays valid and
@@ -83,6 +100,7 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
     step was applied, the :class:`~puredist.CollectiveError` carries the state to
     continue from (``error.state``)."""
     leaves, _, fragments = _checked_inputs(config, params, state, collective, traced=False)
+    _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
     in_flight = [
         item._replace(handle=issue(config, item.pseudo_grads, item.apply_step - config.delay, item.fragment, collective))
         if item.handle.error is not None else item
