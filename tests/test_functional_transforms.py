@@ -454,3 +454,33 @@ def test_dampened_sgd_runs_under_vmap_with_its_counts_mapped():
         stacked, state = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))(stacked, grads, state)
     for r in range(replicas):
         assert torch.equal(stacked[0][r], eager[r][0]) and torch.equal(state[0].momentum_buffer[r], eager_states[r][0].momentum_buffer)
+
+
+def test_nested_vmaps_average_within_each_simulation_and_refuse_a_tensor_the_replica_axis_does_not_map():
+    # outer vmap: 2 simulations; inner vmap: 2 replicas. w is per replica; s is per simulation only
+    collective = VmapCollective(2)
+    w = torch.arange(8.0).reshape(2, 2, 2)
+    s = torch.tensor([[0.0, 0.0], [10.0, 10.0]])
+    per_simulation = vmap(vmap(lambda t: collective.mean([t])[0]))(w)
+    assert torch.equal(per_simulation, w.mean(1, keepdim=True).expand_as(w))  # never across simulations
+    with pytest.raises(RuntimeError, match="tensor 1, which the innermost torch.func.vmap"):
+        vmap(lambda w, s: vmap(lambda a, b: collective.mean([a, b]), in_dims=(0, None))(w, s))(w, s)
+    # a broadcast leaves a tensor the replicas share as it is (the outer axis is not the replicas')
+    _, shared = vmap(lambda w, s: vmap(lambda a, b: collective.broadcast([a, b], src=1), in_dims=(0, None))(w, s))(w, s)
+    assert torch.equal(shared, s.unsqueeze(1).expand(2, 2, 2))
+
+
+def test_a_broadcast_under_grad_selects_the_source_and_its_gradient_flows_to_the_source():
+    collective, weights = VmapCollective(3), torch.tensor([1.0, 2.0, 4.0])
+    x = torch.tensor([1.0, 2.0, 3.0])
+
+    def per_replica(x, weight):
+        return grad(lambda x: (collective.broadcast([x], src=1)[0] * weight, collective.broadcast([x], src=1)[0]),
+                    has_aux=True)(x)
+
+    grads, values = vmap(per_replica)(x, weights)
+    assert torch.equal(values, torch.full((3,), 2.0))
+    # oracle: the sum of the replicas' losses, sum_r w_r * x[1], differentiated by autograd
+    stacked = x.clone().requires_grad_()
+    (weights * stacked[1]).sum().backward()
+    assert torch.equal(grads, stacked.grad)  # [0, 7, 0]

@@ -121,6 +121,89 @@ def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_r
 _replica_select_op.register_vmap(_replica_select_vmap)
 
 
+@custom_op("puredist::replica_gather", mutates_args=())
+def _replica_gather_op(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+    """The adjoint of :func:`_replica_select_op`: outside ``vmap``, one replica's own."""
+    if num_replicas != 1:
+        raise RuntimeError(f"The gradient of a broadcast over {num_replicas} replicas was taken outside torch.func.vmap.")
+    return tensor.clone()
+
+
+@_replica_gather_op.register_fake
+def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _replica_gather_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
+    _check_replica_axis(info, num_replicas)
+    rows = tensor.movedim(in_dims[0], 0)
+    gathered = torch.zeros_like(rows)
+    gathered[source] = rows.sum(0)  # every replica's copy of the source's value came from the source
+    return gathered, 0
+
+
+_replica_gather_op.register_vmap(_replica_gather_vmap)
+
+
+class _ReplicaSelect(torch.autograd.Function):
+    """Replica ``source``'s value on every replica; its adjoint sums the incoming
+    gradients into the source (zero on the others)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+        return _replica_select_op(tensor, source, num_replicas)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.sizes = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReplicaGather.apply(grad, *ctx.sizes), None, None
+
+
+class _ReplicaGather(torch.autograd.Function):
+    """:class:`_ReplicaSelect`'s adjoint, itself differentiable (its adjoint is the select)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
+        return _replica_gather_op(tensor, source, num_replicas)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.sizes = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReplicaSelect.apply(grad, *ctx.sizes), None, None
+
+
+def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The positions of ``tensors`` that the innermost ``vmap`` active does not map
+    (looked for through any ``torch.func.grad`` wrappers): the same on every
+    replica. Under ``torch.compile`` (which traces ``vmap`` itself and cannot read
+    functorch's stack) a batched tensor is taken as mapped there."""
+    functorch = torch._C._functorch
+    if torch.compiler.is_compiling():
+        return [k for k, t in enumerate(tensors) if not functorch.is_batchedtensor(t)]
+    levels = [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
+    if not levels:
+        return list(range(len(tensors)))
+
+    def mapped(tensor: torch.Tensor) -> bool:
+        while functorch.is_functorch_wrapped_tensor(tensor):
+            if functorch.is_batchedtensor(tensor) and functorch.maybe_get_level(tensor) == levels[-1]:
+                return True
+            tensor = functorch.get_unwrapped(tensor)
+        return False
+
+    return [k for k, t in enumerate(tensors) if not mapped(t)]
+
+
 class VmapCollective(ReplicaGroups):
     """The :class:`~puredist.Collective` for code running under ``torch.func.vmap``
     over ``num_replicas`` simulated ranks (see the module docstring).
@@ -140,6 +223,14 @@ class VmapCollective(ReplicaGroups):
         del context
         size = self._size(group_size)
         tensors = checked_for_reduction(tensors, in_place=False)
+        if size > 1:  # (an outer vmap would otherwise average whole simulations together)
+            unmapped = _unmapped(tensors)
+            if unmapped:
+                raise RuntimeError(
+                    f"A VmapCollective over {self.num_replicas} replicas was given tensor {unmapped[0]}, which the "
+                    "innermost torch.func.vmap (the replica axis) does not map (in_dims=None: pass it mapped, e.g. "
+                    "expanded), or was used outside torch.func.vmap: there is no replica axis to average it over."
+                )
         return [replica_mean(t, size, self.num_replicas) for t in tensors]
 
     def mean_(
@@ -159,13 +250,18 @@ class VmapCollective(ReplicaGroups):
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int) -> list[torch.Tensor]:
         """Replica ``src``'s value of each tensor, on every replica (new tensors; a
-        tensor the ``vmap`` does not map is the same on every replica already)."""
+        tensor the innermost ``vmap`` does not map is the same on every replica
+        already). Differentiable: the gradient of replica ``src``'s value is the sum
+        of the incoming gradients over the replicas, zero for the others.
+
+        Raises:
+            ValueError: ``src`` is not a replica.
+        """
         if not 0 <= src < self.num_replicas:
             raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
-        return [
-            _replica_select_op(t, src, self.num_replicas) if torch._C._functorch.is_batchedtensor(t) else t.clone()
-            for t in tensors
-        ]
+        unmapped = set(_unmapped(tensors))
+        return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas)
+                for k, t in enumerate(tensors)]
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Not available under ``vmap`` (the check needs the values on the host)."""
