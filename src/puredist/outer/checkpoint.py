@@ -24,6 +24,7 @@ synchronizations in flight (their results are what it saves).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import torch
@@ -146,20 +147,52 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
                 f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
                 "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
             )
-    for f, indices in enumerate(fragments):
-        apply_step = int(saved[f"in_flight.{f}.apply_step"])
-        if apply_step >= 0 and not step <= apply_step <= step + config.delay:
+    for f in range(len(fragments)):
+        apply_step, scheduled = int(saved[f"in_flight.{f}.apply_step"]), _in_flight_at(config, f, step)
+        if apply_step != scheduled:
             raise ValueError(
-                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, "
-                f"outside [{step}, {step + config.delay}] for the saved step {step}."
+                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step} (-1: none); "
+                f"at the saved step {step} the schedule has "
+                + ("none in flight." if scheduled < 0 else f"the one started at step {scheduled - config.delay} in "
+                   f"flight, applying at step {scheduled}.")
             )
-        started = apply_step - config.delay
-        if apply_step >= 0 and not (started < step and f in due_fragments(config, started)):
-            raise ValueError(
-                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step}, so it "
-                f"started at step {started}: not one of its synchronizations before the saved step {step}."
-            )
+    unexpected = _unexpected_entries(expected, saved, rank)
+    if unexpected:
+        raise ValueError(
+            f"Arg ``saved`` holds entries this transform's checkpoint does not: {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} (a checkpoint of other parameters: more leaves or fragments)."
+        )
     check_entries(expected, saved, kinds=True)
+
+
+def _in_flight_at(config: OuterConfig, fragment: int, step: int) -> int:
+    """The step at which ``fragment``'s synchronization in flight at ``step`` (saved
+    after ``step`` steps) applies, by the schedule: one started at a step in
+    ``[step - delay, step - 1]``; ``-1`` where none is."""
+    started = [s for s in range(max(step - config.delay, 0), step) if fragment in due_fragments(config, s)]
+    return started[-1] + config.delay if started else -1
+
+
+_OTHER_RANK = re.compile(r"\.rank\d+$")
+_NAMESPACE = ("global.", "outer.", "in_flight.", "residual.")
+
+
+def _unexpected_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], rank: int) -> list[str]:
+    """The keys of ``saved`` in this transform's namespace (``global.``, ``outer.``,
+    ``in_flight.``, ``residual.``: a caller may keep entries of its own in the same
+    dict) that its checkpoint (``expected``) has no place for: all but other ranks'
+    entries of the keys this rank has (snapshots, residuals) and outer-state fields
+    marked absent (a checkpoint from before states dropped unused fields)."""
+    def allowed(key: str) -> bool:
+        if not key.startswith(_NAMESPACE):
+            return True
+        if _OTHER_RANK.sub(f".rank{rank}", key) in expected:
+            return True
+        parts = key.split(".")
+        present = key if key.endswith(".present") else f"{key}.present"
+        return parts[0] == "outer" and f"global.{parts[1]}" in expected and saved.get(present) is False
+
+    return [key for key in saved if key not in expected and not allowed(key)]
 
 def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
     """Raise ``ValueError`` where ``saved`` comes from another transform, another
