@@ -116,8 +116,16 @@ def _paths(leaves: int):
             states[name] = update(states[name])
         return call
 
+    # FSDP2's parameters: DTensors sharded over a mesh dimension of one rank, averaged across the other
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh["shard"], [Shard(0)], src_data_rank=None))
+               for p in params]
+    mesh_collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
     return {
         "average_": lambda: puredist.average_(params, collective=collective),
+        "average_ of DTensors": lambda: puredist.average_(sharded, collective=mesh_collective),
         "average_ async": lambda: puredist.average_(params, collective=collective, async_op=True).wait(),
         "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),

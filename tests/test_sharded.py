@@ -164,6 +164,27 @@ def test_replica_groups_sharded_differently_raise_on_every_rank():
     assert run_workers(_mismatched_sharding, 4) == [(True, True)] * 4
 
 
+def _respecified_shards(rank, world_size):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = _mesh(2, 2)
+    collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
+    leaf = distribute_tensor(torch.ones(4, 4), mesh["shard"], [Shard(0)], src_data_rank=None)  # local (2, 4)
+    puredist.average_([leaf], collective=collective)  # its layout is now known
+    if mesh.get_coordinate()[0] == 1:  # the same local shard, read as columns of a (2, 8) tensor: another spec
+        leaf = DTensor.from_local(leaf.to_local(), mesh["shard"], [Shard(1)], run_check=False, shape=(2, 8),
+                                  stride=(8, 1))
+    try:
+        puredist.average_([leaf], collective=collective)
+    except puredist.RankMismatchError as error:
+        return "ranks passed different tensors" in str(error)
+    return "averaged"
+
+
+def test_a_shard_given_another_spec_at_the_same_address_is_checked_again():
+    assert run_workers(_respecified_shards, 4) == [True] * 4
+
+
 def _different_shards_of_one_spec(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

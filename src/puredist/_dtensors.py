@@ -16,7 +16,8 @@ local shards.
 
 from __future__ import annotations
 
-from typing import Callable
+import operator
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,8 +43,23 @@ def check_not_pending(tensor: torch.Tensor, arg: str, label: Callable[[], str]) 
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its storage, detached from autograd); any other tensor as is."""
-    return tensor.detach().to_local() if is_dtensor(tensor) else tensor
+    """A DTensor's local shard (its storage, detached from autograd); any other tensor as is.
+    (The shard ``to_local()`` returns without autograd, read directly: well under a
+    microsecond instead of 24 µs through DTensor's dispatch.)"""
+    if not is_dtensor(tensor):
+        return tensor
+    local = tensor._local_tensor
+    return local.detach() if local.requires_grad else local
+
+
+_LOCAL, _REQUIRES_GRAD = operator.attrgetter("_local_tensor"), operator.attrgetter("requires_grad")
+
+
+def local_shards(dtensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local_shard` of each of ``dtensors`` (all DTensors), in one C-level pass
+    where no shard requires a gradient (FSDP2's parameters)."""
+    shards = list(map(_LOCAL, dtensors))
+    return list(map(local_shard, dtensors)) if any(map(_REQUIRES_GRAD, shards)) else shards
 
 
 def sharding_signature(tensor: torch.Tensor) -> str:

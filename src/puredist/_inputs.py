@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from puredist._dtensors import check_not_pending, local_shard
+from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
 from puredist._layout import Layout, layout_of
 
 _FLOAT8 = tuple(
@@ -150,6 +150,10 @@ def _reduced(tensors: list, layout: Layout, arg: str = "tensors", noun: str = "t
     converted = layout.memo["real"]
     if not converted:
         return tensors
+    if len(converted) == len(tensors) and layout.derived(
+        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
+    ):  # (FSDP2's parameters)
+        return local_shards(tensors)
     reduced = list(tensors)
     for position in converted:
         tensor = local_shard(reduced[position])

@@ -13,9 +13,12 @@ The cache holds metadata only, never a tensor: it keeps no memory alive, and a t
 freed and another allocated at the same address with the same metadata gets the same
 (still correct) entry. New storage (``p.data = ...``), a new shape, stride, dtype or
 device, or a change of ``requires_grad``, inference mode or autocast, misses the
-cache: the tensors are validated and planned afresh. DTensors (their
-sharding is part of what must match) and tensors whose metadata cannot be read
-(sparse, functorch-wrapped) are not cached: a fresh :class:`Layout` serves one call.
+cache: the tensors are validated and planned afresh. A list of DTensors (FSDP2's
+parameters) is keyed on its local shards and held to the same DTensor specs (the
+objects: a DTensor redistributed or rebuilt has a new one; the cache keeps the specs,
+metadata that holds the mesh). Mixed lists, other subclasses and tensors whose
+metadata cannot be read (sparse, functorch-wrapped) are not cached: a fresh
+:class:`Layout` serves one call.
 
 This module must not touch tensor values or talk to other ranks (it makes views:
 :func:`views_like`).
@@ -24,12 +27,13 @@ This module must not touch tensor values or talk to other ranks (it makes views:
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._C._dynamo.guards import TensorGuards
 
-from puredist._dtensors import sharding_signature
+from puredist._dtensors import DTensor, local_shards, sharding_signature
 
 _CAPACITY = 64
 """Layouts kept (the oldest made dropped first): a few per model and collective."""
@@ -38,7 +42,7 @@ _VARIANTS = 4
 """Layouts kept per list of addresses (the oldest dropped first): the same tensors
 seen in and out of inference mode or autocast, with and without ``requires_grad``."""
 
-_CACHE: dict[tuple[int, ...], list[tuple[TensorGuards, "Layout"]]] = {}
+_CACHE: dict[tuple[int, ...], list[tuple[TensorGuards, tuple | None, "Layout"]]] = {}
 
 
 def digest(text: str) -> int:
@@ -92,14 +96,27 @@ PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 """The tensor types whose metadata is read as it is (no DTensor, no other subclass)."""
 
 
-def _addresses(tensors: Sequence[object]) -> tuple[int, ...] | None:
-    """The cache key of ``tensors``: their data addresses, or ``None`` when they are
-    not to be cached (DTensors, other subclasses, non-tensors; sparse or
-    functorch-wrapped tensors, which have no storage to key on)."""
-    if not set(map(type, tensors)) <= PLAIN_TYPES:
+_SPEC = operator.attrgetter("_spec")
+
+
+def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[torch.Tensor], tuple | None] | None:
+    """``(key, the tensors the guard checks, the DTensor specs)`` of ``tensors``: for
+    plain tensors their data addresses, themselves and ``None``; for DTensors their
+    local shards' addresses, the shards and each DTensor's spec (mesh, placements,
+    global shape and stride, which decide the rest of a layout). ``None`` when they
+    are not to be cached: a mix of kinds, other subclasses, non-tensors, sparse or
+    functorch-wrapped tensors (no storage to key on)."""
+    kinds = set(map(type, tensors))
+    if kinds <= PLAIN_TYPES:
+        guarded, specs = tensors, None
+    elif DTensor is not None and kinds == {DTensor}:
+        guarded, specs = local_shards(tensors), tuple(map(_SPEC, tensors))
+        if not set(map(type, guarded)) <= PLAIN_TYPES:
+            return None
+    else:
         return None
     try:
-        return tuple(map(torch.Tensor.data_ptr, tensors))
+        return tuple(map(torch.Tensor.data_ptr, guarded)), guarded, specs
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -119,14 +136,19 @@ def _guards(tensors: Sequence[torch.Tensor]) -> TensorGuards:
 
 def layout_of(tensors: Sequence[object]) -> Layout:
     """The (cached) :class:`Layout` of ``tensors``: the same object for every list of
-    the same addresses and metadata (``_guards``), while it stays among the last
-    ``_CAPACITY`` made. A call's cost is a read of each address and one C++ check."""
-    addresses = _addresses(tensors)
-    if addresses is None:
+    the same addresses and metadata (``_guards``; for DTensors, of their local
+    shards, and the same specs), while it stays among the last ``_CAPACITY`` made.
+    A call's cost is a read of each address (and spec) and one C++ check."""
+    key = _cache_key(tensors)
+    if key is None:
         return Layout(tensors)
+    addresses, guarded, specs = key
     known = _CACHE.get(addresses)
-    for guards, layout in known or ():
-        if guards.check(*tensors):
+    for guards, known_specs, layout in known or ():
+        if guards.check(*guarded) and (
+            specs is known_specs is None
+            or specs is not None and known_specs is not None and all(map(operator.is_, specs, known_specs))
+        ):
             return layout
     if known is None:
         if len(_CACHE) >= _CAPACITY:
@@ -134,8 +156,8 @@ def layout_of(tensors: Sequence[object]) -> Layout:
         known = _CACHE[addresses] = []
     elif len(known) >= _VARIANTS:
         del known[0]
-    layout = Layout(tensors, plain=True)
-    known.append((_guards(tensors), layout))
+    layout = Layout(tensors, plain=specs is None)
+    known.append((_guards(guarded), specs, layout))
     return layout
 
 
