@@ -4,7 +4,8 @@ On a GPU the bytes move at TB/s and an averaging's cost is its host work: checks
 plans, copies launched per tensor. This benchmark times it, in one run, against
 torch's ``average_parameters`` and a bare all-reduce (plus its division) of one
 pre-flattened buffer of the same bytes, and times a DiLoCo synchronization (outer
-Nesterov SGD, multi-tensor kernel) of the same tensors.
+Nesterov SGD, multi-tensor kernel) of the same tensors: as they are, with bf16
+pseudo-gradients (the README's configuration) and int8-compressed.
 
 Layouts (``--layouts``):
 
@@ -54,6 +55,10 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
     unchecked = puredist.DistributedCollective(check_consistency=False)
     diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1)
     state = [diloco.init(diloco_params)]
+    bf16_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    bf16 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1,
+                                    comm_dtype=torch.bfloat16)
+    bf16_state = [bf16.init(bf16_params)]
     int8_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     int8 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1,
                                     compressor=puredist.int8_blocks())
@@ -65,6 +70,9 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
 
     def sync():
         state[0] = diloco.update_(diloco_params, state[0], collective=collective)
+
+    def bf16_sync():
+        bf16_state[0] = bf16.update_(bf16_params, bf16_state[0], collective=collective)
 
     def int8_sync():
         int8_state[0] = int8.update_(int8_params, int8_state[0], collective=collective)
@@ -84,6 +92,7 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
         methods["puredist average_"] = lambda: puredist.average_(params, collective=collective)
         methods["puredist average_, no rank check"] = lambda: puredist.average_(params, collective=unchecked)
         methods["DiLoCo sync"] = sync
+        methods["DiLoCo sync, bf16 sent"] = bf16_sync
         methods["DiLoCo sync, int8"] = int8_sync
     return methods
 

@@ -11,7 +11,7 @@ plans a layout once):
   the same for 8 leaves and for 64 leaves that fit the same bucket. The pure
   compressed averager returns a new tensor per leaf: those are views of one buffer,
   cut in C++ (counted apart: a fixed number of views per leaf, and nothing else
-  grows). The classic wrappers (the periodic averager, post-local SGD's optimizer,
+  grows); so are DiLoCo's conversions (bf16 pseudo-gradients, an fp64 global copy). The classic wrappers (the periodic averager, post-local SGD's optimizer,
   ZeRO's step) are counted alike;
 - the Python calls of the DDP hooks (ZeRO's two, post-local SGD's) during a backward
   pass are the same for 8 and 64 parameters (autograd's own work grows with them);
@@ -94,6 +94,13 @@ def _paths(leaves: int):
     delayed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, delay=1)
     compressed = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=1,
                                           compressor=puredist.int8_blocks())
+    # the global copy on the parameters' device in another dtype, or sent in another (the README's DiLoCo)
+    bf16 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True, foreach=True), sync_every=1,
+                                    comm_dtype=torch.bfloat16)
+    fp64 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=1,
+                                    global_dtype=torch.float64)
+    delayed_bf16 = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, foreach=True), sync_every=2, delay=1,
+                                            comm_dtype=torch.bfloat16)
     sgd = puredist.sgd(1e-3, momentum=0.9, foreach=True)
     zero = puredist.zero(puredist.sgd(1e-3, momentum=0.9, foreach=True))
     compressed_averager = puredist.compressed_averager(puredist.int8_blocks())
@@ -108,6 +115,7 @@ def _paths(leaves: int):
     zero_classic = classic.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=1e-3, momentum=0.9, foreach=True)
     states = {"averager": averager.init(), "diloco": diloco.init(params), "streaming": streaming.init(params),
               "compressed": compressed.init(params), "delayed": delayed.init(params), "compressed averager": compressed_averager.init(params),
+              "bf16": bf16.init(params), "fp64": fp64.init(params), "delayed bf16": delayed_bf16.init(params),
               "sgd": sgd.init(params), "sgd pure": sgd.init(params),
               "zero": zero.init(params, plan=plan, rank=torch.distributed.get_rank())}
 
@@ -130,6 +138,11 @@ def _paths(leaves: int):
         "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),
         "streaming DiLoCo update_": run("streaming", lambda s: streaming.update_(params, s, collective=collective)),
+        "DiLoCo update_ with bf16 pseudo-gradients": run("bf16", lambda s: bf16.update_(params, s, collective=collective)),
+        "DiLoCo update_ with an fp64 global copy": run("fp64", lambda s: fp64.update_(params, s, collective=collective)),
+        "delayed DiLoCo update_ with bf16 pseudo-gradients": run(
+            "delayed bf16", lambda s: delayed_bf16.update_(params, delayed_bf16.update_(params, s, collective=collective),
+                                                           collective=collective)),
         "delayed DiLoCo update_ (a synchronization started, then applied)": run(
             "delayed", lambda s: delayed.update_(params, delayed.update_(params, s, collective=collective),
                                                  collective=collective)),
@@ -162,7 +175,14 @@ def _work_per_call(rank, world_size):
 
 
 _VIEWS = {"aten.view.default", "aten.slice.Tensor"}
-_NEW_TENSOR_PER_LEAF = {"compressed averager update (pure)": 6}
+_NEW_TENSOR_PER_LEAF = {
+    "compressed averager update (pure)": 6,
+    # a new buffer of each conversion (the pseudo-gradients sent, their mean in the global copy's dtype, the
+    # snapshot), viewed per leaf for the outer step: one view and one slice each
+    "DiLoCo update_ with bf16 pseudo-gradients": 4,
+    "DiLoCo update_ with an fp64 global copy": 2,
+    "delayed DiLoCo update_ with bf16 pseudo-gradients": 6,
+}
 """Paths that return a new tensor per leaf, and the views per leaf they make in C++
 to cut them from one buffer and to lay the leaves end to end (nothing else)."""
 

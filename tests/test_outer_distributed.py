@@ -14,10 +14,10 @@ from workers import run_workers
 STEPS = 12
 
 
-def make_transform(comm_dtype=None, delay=2):
+def make_transform(comm_dtype=None, delay=2, global_dtype=None):
     return puredist.outer_optimizer(
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True),
-        sync_every=4, warmup_steps=1, delay=delay, fragments=2, comm_dtype=comm_dtype,
+        sync_every=4, warmup_steps=1, delay=delay, fragments=2, comm_dtype=comm_dtype, global_dtype=global_dtype,
     )
 
 
@@ -31,8 +31,8 @@ def drift(rank, step, params):
     return [torch.randn(p.shape, generator=gen) for p in params]
 
 
-def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay):
-    transform = make_transform(comm_dtype, delay)
+def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay, global_dtype=None):
+    transform = make_transform(comm_dtype, delay, global_dtype)
     real = initial_params()
     simulated = [p.unsqueeze(0).repeat(world_size, *[1] * p.dim()) for p in initial_params()]
     real_state, simulated_state = transform.init(real), transform.init(simulated)
@@ -52,11 +52,14 @@ def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay):
 
 # comm_dtype None: the global copy in the parameters' own dtype, so real ranks step each fragment as one flat
 # tensor (puredist.outer.flat), the simulation per leaf; two ranks sum in one order: bit for bit
-# (delay 0: a synchronization started and applied in one step, its flat fragment derived once)
-@pytest.mark.parametrize("world_size, comm_dtype, exact, delay",
-                         [(2, torch.bfloat16, True, 2), (2, None, True, 2), (2, None, True, 0), (4, None, False, 2)])
-def test_real_ranks_equal_the_simulation(world_size, comm_dtype, exact, delay):
-    finals = run_workers(_real_equals_simulated, world_size, comm_dtype, exact, delay)
+# (delay 0: a synchronization started and applied in one step, its flat fragment derived once).
+# A comm_dtype or global_dtype: real ranks convert through one flat buffer (puredist.outer.converted)
+@pytest.mark.parametrize("world_size, comm_dtype, exact, delay, global_dtype",
+                         [(2, torch.bfloat16, True, 2, None), (2, torch.bfloat16, True, 0, None),
+                          (2, None, True, 2, torch.float64), (2, torch.bfloat16, True, 2, torch.float64),
+                          (2, None, True, 2, None), (2, None, True, 0, None), (4, None, False, 2, None)])
+def test_real_ranks_equal_the_simulation(world_size, comm_dtype, exact, delay, global_dtype):
+    finals = run_workers(_real_equals_simulated, world_size, comm_dtype, exact, delay, global_dtype)
     assert not torch.equal(finals[0][0], finals[1][0])  # local steps after the last sync differ
 
 

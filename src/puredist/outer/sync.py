@@ -11,8 +11,10 @@ the all-reduce ran is kept).
 
 Where the global copy is the parameters' own device and dtype and is sent as it is
 (:attr:`~puredist.outer.config.OuterConfig.same_place`), pseudo-gradients and
-write-backs are multi-tensor kernels over the whole fragment; otherwise one
-conversion per leaf.
+write-backs are multi-tensor kernels over the whole fragment; where it is on their
+device in another dtype or sent in another, likewise with conversions through one
+flat buffer (:mod:`puredist.outer.converted`); otherwise (a host global copy, mixed
+dtypes or devices) one conversion per leaf.
 
 This module must not decide when a synchronization runs: that is
 :mod:`puredist.outer.schedule`'s.
@@ -29,6 +31,7 @@ from puredist._inputs import Checked, checked, checked_like
 from puredist.collectives import Collective, CollectiveHandle, DistributedCollective
 from puredist.compression import compressed_mean, compressed_mean_flat_
 from puredist.optim import copies
+from puredist.outer import converted
 from puredist.outer.config import OuterConfig
 from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_snapshot, flat_state, step_flat
 from puredist.outer.schedule import is_first_sync
@@ -95,7 +98,7 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
     :func:`apply` in the same step (derived once a step, not twice)."""
     with torch.no_grad():
         locals_ = [leaves[i] for i in indices]
-        sent = None
+        sent = flat = None
         if config.same_place and leaves.layout.plain:
             globals_ = [state.global_params[i] for i in indices]
             # real ranks average any tensor (simulated ones need the replica axis leading)
@@ -107,12 +110,18 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
             else:
                 # the differences' strides follow both operands': their layout is kept per layout of the leaves too
                 pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
+        elif converted.converts(config, leaves, collective):  # one flat buffer in the dtype it is sent in
+            globals_ = [state.global_params[i] for i in indices]
+            pseudo_flat, pseudo = converted.pseudo_gradient(globals_, locals_, config.comm_dtype or globals_[0].dtype)
+            sent = checked([pseudo_flat])
         else:
             pseudo = tuple(pseudo_gradient(config, state.global_params[i], leaves[i].detach()) for i in indices)
         if not config.delay:
             snapshot = ()
-        elif sent is not None:  # the fragment's own snapshot buffer, as its pseudo-gradient's
+        elif flat is not None:  # the fragment's own snapshot buffer, as its pseudo-gradient's
             snapshot = flat_snapshot(flat, globals_, locals_)
+        elif sent is not None:
+            snapshot = converted.snapshot(locals_)
         else:
             snapshot = tuple(copies(locals_))
         apply_step = state.step + config.delay
@@ -143,8 +152,10 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     fast = config.same_place and leaves.layout.plain
     first = is_first_sync(config, item.fragment, item.apply_step - config.delay)
     states = [outer_state[i] for i in indices]
+    on_device = not fast and converted.on_device(config, leaves)
     if not (fast and _applied_flat(config, targets, states, item.pseudo_grads, first, flat_global)):
-        grads = list(item.pseudo_grads) if fast else fetched(item.pseudo_grads, targets)
+        grads = list(item.pseudo_grads) if fast else (
+            on_device and converted.outer_grads(item.pseudo_grads, targets) or fetched(item.pseudo_grads, targets))
         with torch.no_grad():
             if first:
                 # the fragment's first synchronization only establishes the synchronized
@@ -158,6 +169,8 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     with torch.no_grad():
         if fast:
             _write_back_fast([leaves[i] for i in indices], targets, item.snapshot)
+        elif on_device:
+            converted.write_back([leaves[i] for i in indices], targets, item.snapshot)
         else:
             _write_back(leaves, indices, targets, item.snapshot)
 
