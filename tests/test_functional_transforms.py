@@ -484,3 +484,20 @@ def test_a_broadcast_under_grad_selects_the_source_and_its_gradient_flows_to_the
     stacked = x.clone().requires_grad_()
     (weights * stacked[1]).sum().backward()
     assert torch.equal(grads, stacked.grad)  # [0, 7, 0]
+
+
+def test_a_compiled_broadcast_under_grad_raises_or_equals_eager_never_silently_differs():
+    collective, weights = VmapCollective(2), torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    x = torch.tensor([[10.0, 20.0], [30.0, 40.0]])
+
+    def step(x, w):
+        return vmap(grad(lambda a, b: (collective.broadcast([a], src=1)[0] * b).sum()))(x, w)
+
+    eager = step(x, weights)
+    assert torch.equal(eager, torch.tensor([[0.0, 0.0], [4.0, 6.0]]))  # all of it flows to the source
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend="eager")(x, weights)
+    except Exception:  # noqa: BLE001 - refused while tracing: what it may do instead of agreeing
+        return
+    assert torch.equal(compiled, eager)

@@ -2,6 +2,7 @@
 aliased, sparse, meta, float8 and expanded tensors refused (naming the leaf and the
 reason) before anything is touched; complex tensors averaged."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,4 +148,14 @@ def test_a_tensor_changed_in_place_at_the_same_address_is_checked_again():
     with torch.inference_mode():
         frozen = torch.randn(2, 4)
         puredist.average_([frozen], collective=SimulatedCollective(2))  # valid inside the mode
+    _refused([frozen], r"leaf 0 .*inference tensor")
+
+
+def test_an_inference_tensor_over_memory_checked_in_inference_mode_is_refused_outside_it():
+    # inside inference mode a normal tensor and an inference tensor over the same memory look alike
+    memory = np.zeros((2, 8), dtype=np.float32)
+    normal = torch.from_numpy(memory)
+    with torch.inference_mode():
+        puredist.average_([normal], collective=SimulatedCollective(2))  # checked and cached inside the mode
+        frozen = torch.from_numpy(memory)  # an inference tensor at the same address, of the same metadata
     _refused([frozen], r"leaf 0 .*inference tensor")

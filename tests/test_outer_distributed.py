@@ -31,10 +31,10 @@ def drift(rank, step, params):
     return [torch.randn(p.shape, generator=gen) for p in params]
 
 
-def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay, global_dtype=None):
+def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay, global_dtype=None, dtype=torch.float32):
     transform = make_transform(comm_dtype, delay, global_dtype)
-    real = initial_params()
-    simulated = [p.unsqueeze(0).repeat(world_size, *[1] * p.dim()) for p in initial_params()]
+    real = [p.to(dtype) for p in initial_params()]
+    simulated = [p.unsqueeze(0).repeat(world_size, *[1] * p.dim()) for p in real]
     real_state, simulated_state = transform.init(real), transform.init(simulated)
     collective, simulation = puredist.DistributedCollective(), puredist.SimulatedCollective(world_size)
     for step in range(STEPS):
@@ -53,13 +53,18 @@ def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay, global_dt
 # comm_dtype None: the global copy in the parameters' own dtype, so real ranks step each fragment as one flat
 # tensor (puredist.outer.flat), the simulation per leaf; two ranks sum in one order: bit for bit
 # (delay 0: a synchronization started and applied in one step, its flat fragment derived once).
-# A comm_dtype or global_dtype: real ranks convert through one flat buffer (puredist.outer.converted)
-@pytest.mark.parametrize("world_size, comm_dtype, exact, delay, global_dtype",
-                         [(2, torch.bfloat16, True, 2, None), (2, torch.bfloat16, True, 0, None),
-                          (2, None, True, 2, torch.float64), (2, torch.bfloat16, True, 2, torch.float64),
-                          (2, None, True, 2, None), (2, None, True, 0, None), (4, None, False, 2, None)])
-def test_real_ranks_equal_the_simulation(world_size, comm_dtype, exact, delay, global_dtype):
-    finals = run_workers(_real_equals_simulated, world_size, comm_dtype, exact, delay, global_dtype)
+# A comm_dtype or a global_dtype at least as wide as the parameters: real ranks convert through one flat
+# buffer (puredist.outer.converted); a narrower global copy (fp64 parameters, fp32 copy) goes per leaf
+@pytest.mark.parametrize("world_size, comm_dtype, exact, delay, global_dtype, dtype",
+                         [(2, torch.bfloat16, True, 2, None, torch.float32),
+                          (2, torch.bfloat16, True, 0, None, torch.float32),
+                          (2, None, True, 2, torch.float64, torch.float32),
+                          (2, torch.bfloat16, True, 2, torch.float64, torch.float32),
+                          (2, None, True, 2, torch.float32, torch.float64),
+                          (2, None, True, 2, None, torch.float32), (2, None, True, 0, None, torch.float32),
+                          (4, None, False, 2, None, torch.float32)])
+def test_real_ranks_equal_the_simulation(world_size, comm_dtype, exact, delay, global_dtype, dtype):
+    finals = run_workers(_real_equals_simulated, world_size, comm_dtype, exact, delay, global_dtype, dtype)
     assert not torch.equal(finals[0][0], finals[1][0])  # local steps after the last sync differ
 
 

@@ -116,6 +116,14 @@ def test_a_corrupt_checkpoint_is_refused(edit, match):
         transform.load_state_dict(transform.init(params), saved, rank=0)
 
 
+def test_a_callers_own_entries_in_the_same_dict_load():
+    params = [torch.zeros(2, 3), torch.zeros(2, 5)]
+    transform = diloco(delay=1)
+    saved = transform.state_dict(saved_state(transform, params, 3, SimulatedCollective(2)), rank=0)
+    saved.update({"outer.linear.weight": torch.ones(1), "global.step": 7, "model.0.weight": torch.ones(1)})
+    assert transform.load_state_dict(transform.init(params), saved, rank=0).step == 3
+
+
 def test_world_size_changes_load_by_the_documented_rule():
     params = [torch.zeros(2, 3)]
     transform = diloco(delay=1)

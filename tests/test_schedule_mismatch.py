@@ -139,6 +139,10 @@ def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
         while state.step < until:
             state = diloco.update_(good, state, collective=collective)
         calls[path] = lambda: diloco.update_(params, state, collective=collective)
+    if path == "DiLoCo pure update, step 0":
+        diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=3, warmup_steps=1)
+        state = diloco.init([torch.ones(3), torch.ones(2)])
+        calls[path] = lambda: diloco.update(params, state, collective=collective)
     try:
         calls[path]()
     except Exception as error:  # noqa: BLE001 - the type and message are the result
@@ -147,7 +151,7 @@ def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
 
 
 @pytest.mark.parametrize("path", ["average_", "average", "averager update_", "collective mean_", "collective mean",
-                                  "DiLoCo, step 0",
+                                  "DiLoCo, step 0", "DiLoCo pure update, step 0",
                                   "DiLoCo, a synchronization", "DiLoCo, int8", "DiLoCo, lower level"])
 def test_a_rank_refusing_its_input_makes_its_peers_raise_at_once_instead_of_waiting(path):
     # rank 1's int64 leaf cannot be averaged: it raises TypeError before any collective; its peer, about to

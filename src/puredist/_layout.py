@@ -42,7 +42,7 @@ _VARIANTS = 4
 """Layouts kept per list of addresses (the oldest dropped first): the same tensors
 seen in and out of inference mode or autocast, with and without ``requires_grad``."""
 
-_CACHE: dict[tuple[int, ...], list[tuple[TensorGuards, tuple | None, "Layout"]]] = {}
+_CACHE: dict[tuple[tuple[int, ...], bool], list[tuple[TensorGuards, tuple | None, "Layout"]]] = {}
 
 
 def digest(text: str) -> int:
@@ -143,6 +143,8 @@ def layout_of(tensors: Sequence[object]) -> Layout:
     if key is None:
         return Layout(tensors)
     addresses, guarded, specs = key
+    # inside inference mode a guard cannot tell an inference tensor from another (autograd's keys are excluded)
+    addresses = (addresses, torch.is_inference_mode_enabled())
     known = _CACHE.get(addresses)
     for guards, known_specs, layout in known or ():
         if guards.check(*guarded) and (

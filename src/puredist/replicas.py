@@ -185,11 +185,12 @@ class _ReplicaGather(torch.autograd.Function):
 def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The positions of ``tensors`` that the innermost ``vmap`` active does not map
     (looked for through any ``torch.func.grad`` wrappers): the same on every
-    replica. Under ``torch.compile`` (which traces ``vmap`` itself and cannot read
-    functorch's stack) a batched tensor is taken as mapped there."""
+    replica. Under ``torch.compile``, which traces ``vmap`` itself and cannot read
+    functorch's stack, every tensor is taken as mapped: the replica operators then
+    raise for one that no vmap maps (an outer vmap's tensor is not told apart there)."""
     functorch = torch._C._functorch
     if torch.compiler.is_compiling():
-        return [k for k, t in enumerate(tensors) if not functorch.is_batchedtensor(t)]
+        return []
     levels = [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
     if not levels:
         return list(range(len(tensors)))

@@ -174,17 +174,17 @@ def _in_flight_at(config: OuterConfig, fragment: int, step: int) -> int:
 
 
 _OTHER_RANK = re.compile(r"\.rank\d+$")
-_NAMESPACE = ("global.", "outer.", "in_flight.", "residual.")
+_NAMESPACE = re.compile(r"(global|outer|in_flight|residual)\.\d+(\.|$)")
 
 
 def _unexpected_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], rank: int) -> list[str]:
-    """The keys of ``saved`` in this transform's namespace (``global.``, ``outer.``,
-    ``in_flight.``, ``residual.``: a caller may keep entries of its own in the same
-    dict) that its checkpoint (``expected``) has no place for: all but other ranks'
+    """The keys of ``saved`` in this transform's namespace (``global.<i>``,
+    ``outer.<i>.``, ``in_flight.<f>.``, ``residual.<i>.``: a caller may keep entries of
+    its own in the same dict) that its checkpoint (``expected``) has no place for: all but other ranks'
     entries of the keys this rank has (snapshots, residuals) and outer-state fields
     marked absent (a checkpoint from before states dropped unused fields)."""
     def allowed(key: str) -> bool:
-        if not key.startswith(_NAMESPACE):
+        if not _NAMESPACE.match(key):
             return True
         if _OTHER_RANK.sub(f".rank{rank}", key) in expected:
             return True

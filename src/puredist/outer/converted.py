@@ -3,7 +3,7 @@
 kernels instead of a few kernels and conversions per leaf.
 
 Where a fragment's leaves are plain tensors of one dtype on one device and the global
-copy is on that device (no ``global_device``, no compressor), :func:`pseudo_gradient`
+copy is on that device, at least as wide (no ``global_device``, no compressor), :func:`pseudo_gradient`
 takes ``global - local`` in the global copy's dtype, a chunk of leaves at a time, into
 one flat buffer in the dtype it is sent in (the fragment is then averaged as one
 tensor); :func:`outer_grads` converts the mean back to the global copy's dtype in one
@@ -44,9 +44,16 @@ def on_device(config: OuterConfig, leaves: Checked) -> bool:
 def converts(config: OuterConfig, leaves: Checked, collective: Collective) -> bool:
     """Whether a synchronization of ``leaves`` sends one flat converted buffer: as
     :func:`on_device`, without a compressor, on real ranks (simulated ones need the
-    replica axis leading in every tensor)."""
-    return (not config.same_place and config.compressor is None and isinstance(collective, DistributedCollective)
-            and on_device(config, leaves))
+    replica axis leading in every tensor), with a global copy at least as wide as the
+    leaves (a multi-tensor difference promotes: of a narrower copy it would round
+    once in the leaves' dtype, where the per-leaf path rounds the leaf first)."""
+    if config.same_place or config.compressor is not None or not isinstance(collective, DistributedCollective):
+        return False
+    if not on_device(config, leaves):
+        return False
+    leaf_dtype = leaves[0].dtype
+    global_dtype = config.global_dtype or leaf_dtype
+    return torch.promote_types(leaf_dtype, global_dtype) == global_dtype
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:

@@ -45,14 +45,20 @@ def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, coll
         fragments = fragment_leaves(config, leaves)
         check_collective(config, collective)
     except (TypeError, ValueError) as error:
-        refuse, first = getattr(collective, "refuse_on_all_ranks", None), _first_check(config, state)
-        if refuse is not None and first is not None:
-            group_size, context = first
-            refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+        _refuse_on_all_ranks(config, state, collective, error)
         raise
     if state.step == 0:
         (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
     return leaves, spec, fragments
+
+
+def _refuse_on_all_ranks(config: OuterConfig, state: OuterState, collective: Collective, error: Exception) -> None:
+    """This rank's refusal of the step for ``error``, through the rank check its peers
+    run first in it (:func:`_first_check`), where the collective has one."""
+    refuse, first = getattr(collective, "refuse_on_all_ranks", None), _first_check(config, state)
+    if refuse is not None and first is not None:
+        group_size, context = first
+        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
 
 
 def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, object] | None:
@@ -144,7 +150,11 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     for item in state.in_flight:
         if item.handle.error is None:  # a failed one is issued again by update_
             item.handle.wait()
-    leaves, spec = _float_leaves(params, in_place=True)
+    try:
+        leaves, spec = _float_leaves(params, in_place=True)
+    except (TypeError, ValueError) as error:
+        _refuse_on_all_ranks(config, state, collective, error)
+        raise
     copies = clone_leaves(leaves)
     cloned = OuterState(
         state.step,
