@@ -85,6 +85,11 @@ TRANSFORMS = {
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1,
         compressor=puredist.int8_blocks(8),
     ),
+    # synchronous: stepped on the local shards (puredist.outer.shards); Adam's state counts its steps
+    "diloco_sync": lambda: puredist.outer_optimizer(
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1, fragments=2,
+    ),
+    "diloco_adam": lambda: puredist.outer_optimizer(puredist.adam(0.05), sync_every=3, warmup_steps=1),
 }
 
 
@@ -95,6 +100,7 @@ TRANSFORMS = {
         (1, "diloco_int8", "model"),
         # compression cuts its blocks over the rank's shards, so its oracle is the shards themselves
         (2, "diloco_int8", "shard"), (2, "diloco", "shard"),
+        (2, "diloco_sync", "model"), (1, "diloco_sync", "model"), (2, "diloco_adam", "model"),
     ],
     ids=lambda value: {1: "4x1", 2: "2x2"}.get(value, str(value)),
 )

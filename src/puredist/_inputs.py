@@ -144,15 +144,20 @@ def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *
     return result
 
 
+def all_real_shards(tensors: Sequence[torch.Tensor], layout: Layout) -> bool:
+    """Whether ``tensors`` (of ``layout``) are all real-valued DTensors (once per layout)."""
+    return layout.derived(
+        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
+    )
+
+
 def _reduced(tensors: list, layout: Layout, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
     """``tensors`` as the collective writes them: the positions ``layout`` marked
     (complex, DTensor) converted, the rest as they are."""
     converted = layout.memo["real"]
     if not converted:
         return tensors
-    if len(converted) == len(tensors) and layout.derived(
-        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
-    ):  # (FSDP2's parameters)
+    if len(converted) == len(tensors) and all_real_shards(tensors, layout):  # (FSDP2's parameters)
         return local_shards(tensors)
     reduced = list(tensors)
     for position in converted:

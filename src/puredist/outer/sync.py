@@ -31,7 +31,7 @@ from puredist._inputs import Checked, checked, checked_like
 from puredist.collectives import Collective, CollectiveHandle, DistributedCollective
 from puredist.compression import compressed_mean, compressed_mean_flat_
 from puredist.optim import copies
-from puredist.outer import converted
+from puredist.outer import converted, shards
 from puredist.outer.config import OuterConfig
 from puredist.outer.flat import flat_base, flat_pseudo_gradient, flat_snapshot, flat_state, step_flat
 from puredist.outer.schedule import is_first_sync
@@ -110,6 +110,11 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
             else:
                 # the differences' strides follow both operands': their layout is kept per layout of the leaves too
                 pseudo = checked_like(globals_, torch._foreach_sub(globals_, locals_), why=("foreach_sub", leaves.layout))
+        elif shards.on_shards(config, leaves):  # DTensors: their local shards, one multi-tensor kernel
+            pseudo = shards.pseudo_gradient([state.global_params[i] for i in indices], locals_)
+            context = shards.ShardedContext(SyncContext(config, fragment, state.step), leaves.layout.summary(leaves)[2])
+            collective.mean_(pseudo, context=context)
+            return InFlight(state.step, fragment, tuple(pseudo), (), CollectiveHandle())
         elif converted.converts(config, leaves, collective):  # one flat buffer in the dtype it is sent in
             globals_ = [state.global_params[i] for i in indices]
             pseudo_flat, pseudo = converted.pseudo_gradient(globals_, locals_, config.comm_dtype or globals_[0].dtype)
@@ -152,6 +157,12 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     fast = config.same_place and leaves.layout.plain
     first = is_first_sync(config, item.fragment, item.apply_step - config.delay)
     states = [outer_state[i] for i in indices]
+    if shards.on_shards(config, leaves):  # (started on the shards: synchronous, so in this very step)
+        stepped = shards.step(config, targets, list(item.pseudo_grads), states, first)
+        for k, i in enumerate(indices):
+            outer_state[i] = states[k] if stepped is None else stepped[k]
+        shards.write_back([leaves[i] for i in indices], targets)
+        return
     on_device = not fast and converted.on_device(config, leaves)
     if not (fast and _applied_flat(config, targets, states, item.pseudo_grads, first, flat_global)):
         grads = list(item.pseudo_grads) if fast else (
