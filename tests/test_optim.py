@@ -61,16 +61,21 @@ def test_matches_torch_optim_bitwise(dtype, torch_class, functional, hyperparams
 @pytest.mark.parametrize("make", [lambda: puredist.adam(lr=0.1), lambda: puredist.adamw(lr=0.1, foreach=True),
                                   lambda: puredist.adamw(lr=0.1, amsgrad=True, maximize=True, foreach=True),
                                   lambda: puredist.sgd(0.1, momentum=0.9, nesterov=True, foreach=True),
-                                  lambda: puredist.sgd(0.1, weight_decay=0.1, maximize=True, foreach=True)],
-                         ids=["adam", "adamw-foreach", "adamw-amsgrad-foreach", "sgd-nesterov-foreach", "sgd-foreach"])
+                                  lambda: puredist.sgd(0.1, weight_decay=0.1, maximize=True, foreach=True),
+                                  # a schedule: a copy stepped in place by torch's kernel, which adds into the grads
+                                  lambda: puredist.sgd(lambda count: 0.1, momentum=0.9, nesterov=True, foreach=True)],
+                         ids=["adam", "adamw-foreach", "adamw-amsgrad-foreach", "sgd-nesterov-foreach", "sgd-foreach",
+                              "sgd-nesterov-scheduled"])
 def test_pure_update_does_not_touch_its_inputs_and_equals_the_in_place_step(make):
     optimizer = make()
     params = [torch.randn(4), torch.randn(2, 3)]
     state = optimizer.init(params)
     grads = [torch.randn(4), torch.randn(2, 3)]
     kept_params, kept_state = [p.clone() for p in params], [[t.clone() for t in s] for s in state]
+    kept_grads = [g.clone() for g in grads]
     new_params, new_state = optimizer.update(params, grads, state)
     assert all(torch.equal(p, k) for p, k in zip(params, kept_params))
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept_grads))
     assert all(torch.equal(a, b) for s, k in zip(state, kept_state) for a, b in zip(s, k))
     in_place_state = optimizer.update_(params, grads, state)  # the reference: torch's kernel, in place
     assert all(torch.equal(a, b) for a, b in zip(new_params, params))

@@ -73,6 +73,33 @@ def test_an_optimizer_refuses_a_state_made_for_other_parameters_before_stepping(
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("make", [lambda: puredist.sgd(0.1, momentum=0.9), lambda: puredist.adam(0.1)])
+def test_an_optimizer_refuses_gradients_of_other_shapes_before_stepping(make):
+    opt = make()
+    params = [torch.ones(3, 4), torch.ones(4)]
+    state = opt.init(params)
+    before = [p.clone() for p in params]
+    for grads in ([torch.ones(4), torch.ones(3, 4)], [torch.ones(1), None]):  # swapped; one that would broadcast
+        for update in (opt.update_, lambda *a: opt.update(*a)[1]):
+            with pytest.raises(ValueError, match=r"gradient 0 has shape \((4|1),\), its parameter \(3, 4\)"):
+                update(params, grads, state)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(a, b) for s, t in zip(state, opt.init(params)) for a, b in zip(s, t))  # counts too
+
+
+def test_adam_refuses_a_sparse_gradient_before_stepping_as_torch_does():
+    opt = puredist.adam(0.1)
+    params = [torch.ones(4), torch.ones(4)]
+    state = opt.init(params)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,), check_invariants=True)
+    for update in (opt.update_, lambda *a: opt.update(*a)[1]):
+        with pytest.raises(ValueError, match="gradient 1 is sparse; adam takes dense gradients only"):
+            update(params, [torch.ones(4), sparse], state)
+    assert all(torch.equal(p, torch.ones(4)) for p in params) and all(s.step.item() == 0 for s in state)
+    with pytest.raises(ValueError, match="got nan"):  # as torch.optim.Adam refuses it
+        puredist.adam(float("nan"))
+
+
 def _different_outer_rates(rank, world_size):
     diloco = puredist.outer_optimizer(puredist.sgd(lr=0.7 if rank == 0 else 0.3, momentum=0.9), sync_every=2)
     params = _params()

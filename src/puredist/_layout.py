@@ -36,7 +36,7 @@ from torch._C._dynamo.guards import TensorGuards
 from puredist._dtensors import DTensor, local_shards, sharding_signature
 
 _CAPACITY = 64
-"""Layouts kept (the oldest made dropped first): a few per model and collective."""
+"""Lists of addresses kept (the least recently used dropped first): a few per model and collective."""
 
 _VARIANTS = 4
 """Layouts kept per list of addresses (the oldest dropped first): the same tensors
@@ -137,7 +137,7 @@ def _guards(tensors: Sequence[torch.Tensor]) -> TensorGuards:
 def layout_of(tensors: Sequence[object]) -> Layout:
     """The (cached) :class:`Layout` of ``tensors``: the same object for every list of
     the same addresses and metadata (``_guards``; for DTensors, of their local
-    shards, and the same specs), while it stays among the last ``_CAPACITY`` made.
+    shards, and the same specs), while it stays among the ``_CAPACITY`` used last.
     A call's cost is a read of each address (and spec) and one C++ check."""
     key = _cache_key(tensors)
     if key is None:
@@ -145,7 +145,9 @@ def layout_of(tensors: Sequence[object]) -> Layout:
     addresses, guarded, specs = key
     # inside inference mode a guard cannot tell an inference tensor from another (autograd's keys are excluded)
     addresses = (addresses, torch.is_inference_mode_enabled())
-    known = _CACHE.get(addresses)
+    known = _CACHE.pop(addresses, None)
+    if known is not None:
+        _CACHE[addresses] = known  # the most recently used last: fresh tensors made per call evict the others
     for guards, known_specs, layout in known or ():
         if guards.check(*guarded) and (
             specs is known_specs is None

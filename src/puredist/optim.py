@@ -225,7 +225,7 @@ def _l2_while_compiling(params, grads, weight_decay: float, maximize: bool, trac
 
 
 def _check_nonnegative(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # (NaN too)
         raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
 
 
@@ -422,6 +422,26 @@ def _check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) 
     )
 
 
+def _check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], name: str,
+                 takes_sparse: bool) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a gradient (``None``
+    skips its parameter) has another shape than its parameter, or is sparse for an
+    optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
+    shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
+    if shapes != [p.shape if s is not None else None for p, s in zip(leaves, shapes)]:
+        i = next(i for i, (s, p) in enumerate(zip(shapes, leaves)) if s is not None and s != p.shape)
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} has shape {tuple(shapes[i])}, its parameter {tuple(leaves[i].shape)}. "
+            "Nothing was stepped."
+        )
+    if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
+        i = next(i for i, g in enumerate(grads) if g is not None and _IS_SPARSE(g))
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} is sparse; {name} takes dense gradients only (torch.optim's neither: "
+            "consider torch.optim.SparseAdam). Nothing was stepped."
+        )
+
+
 _OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
 """Where :mod:`puredist._out_of_place` equals torch's in-place kernels bit for bit: a
 16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
@@ -465,8 +485,12 @@ tensors, the inputs untouched, or ``None`` where it does not apply (then the pur
 
 def _make_optimizer(
     init_leaf: Callable, scheduled: tuple[_Step, Callable], differentiable: bool, config: str,
-    pure_step: _PureStep | None = None,
+    pure_step: _PureStep | None = None, writes_grads: bool = False, takes_sparse: bool = True,
 ) -> Optimizer:
+    """``writes_grads``: torch's multi-tensor kernel may write into the gradients (SGD
+    with Nesterov momentum adds the momentum into them): the pure update steps copies.
+    ``takes_sparse``: whether sparse gradients are stepped (else refused)."""
+    kind = config.split("(")[0] or "this optimizer"
     step, check_states = scheduled
     def init(params: PyTree) -> PyTree:
         """A fresh per-parameter state for each leaf of ``params``, in a tree shaped
@@ -490,7 +514,9 @@ def _make_optimizer(
         leaves, spec = tree_flatten(params)
         states = _per_leaf(spec, state, len(leaves))
         _check_shapes(leaves, states)
-        return tree_unflatten(spec, stepped_in_place(leaves, spec.flatten_up_to(grads), states))
+        grad_leaves = spec.flatten_up_to(grads)
+        _check_grads(leaves, grad_leaves, kind, takes_sparse)
+        return tree_unflatten(spec, stepped_in_place(leaves, grad_leaves, states))
 
     def stepped_in_place(leaves: list, grad_leaves: list, states: list) -> list:
         with torch.no_grad():  # as torch.optim steps its parameters (no detached views made)
@@ -508,6 +534,7 @@ def _make_optimizer(
         grad_leaves = spec.flatten_up_to(grads)
         states = _per_leaf(spec, state, len(leaves))
         _check_shapes(leaves, states)
+        _check_grads(leaves, grad_leaves, kind, takes_sparse)
         traced = _traced(
             lambda: [*leaves, *(g for g in grad_leaves if g is not None),
                      *(t for s in states for t in s if isinstance(t, torch.Tensor))],
@@ -522,6 +549,8 @@ def _make_optimizer(
                         copy.requires_grad_()
                 return tree_unflatten(spec, new), tree_unflatten(spec, new_states)
         cloned = clone_states(states, recorded=traced)  # the inputs' state tensors are never handed out
+        if writes_grads and not traced:  # nothing passed in is written, the gradients included
+            grad_leaves = [None if g is None else g.detach().clone() for g in grad_leaves]
         if not traced:
             new = copies(leaves)
             for copy, leaf in zip(new, leaves):
@@ -655,7 +684,7 @@ def sgd(
     config = _config("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
     return _make_optimizer(init_leaf, _scheduled(hypers, run, check, _check_nonnegative), differentiable, config,
-                           pure_step)
+                           pure_step, writes_grads=nesterov)
 
 
 def _adam_family(
@@ -720,7 +749,8 @@ def _adam_family(
     hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
     config = _config("adamw" if decoupled else "adam", lr=lr, betas=betas if callable(betas) else tuple(betas), eps=eps, weight_decay=weight_decay,
                      amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
-    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable, config, pure_step)
+    return _make_optimizer(init_leaf, _scheduled(hypers, run, check, validate), differentiable, config, pure_step,
+                           takes_sparse=False)
 
 
 def adam(

@@ -25,7 +25,6 @@ from puredist._inputs import Checked
 from puredist._layout import layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective
 from puredist.outer.config import OuterConfig
-from puredist.outer.flat import flat_base
 
 _CHUNK_BYTES = 1 << 26
 """Leaves whose differences are taken at once (64 MiB in the global copy's dtype): the
@@ -88,8 +87,9 @@ def outer_grads(pseudo: Sequence[torch.Tensor], targets: list[torch.Tensor]) -> 
     """The averaged pseudo-gradients in the global copy's dtype, where they are the
     views :func:`pseudo_gradient` made (one conversion of the buffer); ``None`` where
     they are not (a loaded checkpoint's, one tensor per leaf)."""
-    sent = flat_base(list(pseudo))
-    if sent is None:
+    sent = pseudo[0]._base  # (per-call views: looked at, not cached by layout)
+    if sent is None or sent.dim() != 1 or sent.data_ptr() != pseudo[0].data_ptr() \
+            or sent.numel() != layout_of(targets).summary(targets)[1]:
         return None
     dtype = targets[0].dtype
     return list(pseudo) if sent.dtype == dtype else views_like(sent.to(dtype), targets)
