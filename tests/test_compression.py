@@ -5,12 +5,14 @@ simulation, payload sizes, and a checkpoint mid-run."""
 import functools
 import io
 import math
+import time
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import puredist
 from puredist import SimulatedCollective
 from puredist.compression import compressed_averager, compressed_mean, int4_blocks, int8_blocks, top_k
 from workers import run_workers
@@ -272,3 +274,36 @@ def _peer_dies_in(phase, rank, world_size):
 def test_a_peer_dying_mid_exchange_is_a_collective_error_and_changes_nothing(phase):
     results = run_workers(functools.partial(_peer_dies_in, phase), 3, victims=(1,), timeout=60, gloo_timeout=10)
     assert results[0] is True and results[2] is True
+
+
+def _one_rank_passes_a_bad_state(rank, world_size, case):
+    codec = puredist.int8_blocks(4)
+    averager = puredist.compressed_averager(puredist.int8_blocks(8) if case == "codec" and rank == 1 else codec)
+    leaves = [torch.randn(3, 2), torch.randn(8)]
+    state = averager.init(leaves)
+    if rank == 1:
+        bad = {"count": state.residuals[:1], "narrow": (torch.zeros(2), state.residuals[1]),
+               "wide": (torch.zeros(5, 3, 2), state.residuals[1]),
+               "fp64": (state.residuals[0].double(), state.residuals[1])}
+        state = state._replace(residuals=bad.get(case, state.residuals))
+        if case == "int":
+            leaves = [torch.zeros(3, 2, dtype=torch.int64), leaves[1]]
+    started = time.monotonic()
+    try:
+        averager.update(leaves, state, collective=puredist.DistributedCollective())
+    except Exception as error:  # noqa: BLE001 - the type and message are the result
+        return type(error).__name__, str(error), time.monotonic() - started
+    return None, "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("case", ["count", "narrow", "wide", "fp64", "int", "codec"])
+def test_a_rank_with_a_bad_state_or_codec_makes_its_peers_raise_at_once(case):
+    # a residual of another shape broadcast into a wrong mean or made payloads of another size (Gloo aborted the
+    # process), as did another codec; the peer waited for the backend's timeout where the rank raised alone
+    (peer, peer_message, peer_s), (bad, bad_message, _) = run_workers(
+        _one_rank_passes_a_bad_state, 2, case, timeout=60, gloo_timeout=20)
+    assert peer == "RankMismatchError" and peer_s < 10, (peer, peer_message, peer_s)
+    if case == "codec":
+        assert bad == "RankMismatchError" and "int8_blocks(8)" in bad_message
+    else:
+        assert bad in ("ValueError", "TypeError") and ("residual" in bad_message or "int64" in bad_message), bad_message

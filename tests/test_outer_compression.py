@@ -237,3 +237,11 @@ def _outer_step_refused(rank, world_size, numel):
 def test_an_outer_step_refused_changes_nothing_in_the_state_passed_in(numel):
     # step 0 only averages and step 1 steps with lr 0.7; step 2 would step with lr -1
     assert run_workers(_outer_step_refused, 2, numel) == [(2, True, True)] * 2
+
+
+def test_a_state_made_without_a_compressor_is_refused_naming_the_residuals():
+    params = [torch.zeros(2, 3)]
+    plain = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=1)
+    compressed = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=1, compressor=puredist.int8_blocks(4))
+    with pytest.raises(ValueError, match=r"0 error-feedback residuals for 1 parameters.*int8_blocks\(4\)"):
+        compressed.update_(params, plain.init(params), collective=puredist.SimulatedCollective(1))

@@ -296,8 +296,16 @@ def compressed_mean(
         CollectiveError: the all-to-all or the all-gather failed (nothing was written;
             the residuals passed in are still the state to continue from).
     """
+    context = f"{context}, payloads of {compressor.name}"  # (their sizes depend on it: ranks must agree)
     layout = layout_of(leaves)
-    simulated = _check_compressible(leaves, collective, layout)
+    try:
+        simulated = _check_compressible(leaves, collective, layout)
+        _check_residuals(leaves, residuals, layout)
+    except (TypeError, ValueError) as error:  # the peers learn it in their rank check, instead of waiting
+        refuse = getattr(collective, "refuse_on_all_ranks", None)
+        if refuse is not None:
+            refuse(f"{type(error).__name__}: {error}", context=context)
+        raise
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]
     if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
@@ -322,12 +330,6 @@ def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Te
     results are tensors of their own (no shared storage or version counter: a
     pure function's outputs), copied out of the flat results by one multi-tensor op
     each (``x * 1`` is ``x`` exactly)."""
-    if len(residuals) != len(leaves):
-        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
-    shapes = list(map(_SHAPE, residuals))
-    if shapes != list(map(_SHAPE, leaves)):
-        i = next(i for i, (r, leaf) in enumerate(zip(shapes, leaves)) if r != leaf.shape)
-        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(leaves[i].shape)}.")
     flatten = torch._C._nn.flatten_dense_tensors  # (one tensor: a view of it, never written)
     with torch.no_grad():
         rows = (flatten(leaves).float() + flatten(list(residuals))).view(1, -1)
@@ -337,7 +339,24 @@ def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Te
                 list(torch._foreach_mul(views_like(left[0], residuals), 1)))
 
 
-_SHAPE = operator.attrgetter("shape")
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tensor], layout: Layout) -> None:
+    """Raise ``ValueError`` unless ``residuals`` are one fp32 tensor per leaf, shaped as
+    its local shard (the payloads' sizes follow from them: a residual of another shape
+    would broadcast, or make this rank's payloads another size than its peers')."""
+    if len(residuals) != len(leaves):
+        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
+    shards = leaves if layout.plain else [local_shard(leaf) for leaf in leaves]
+    shapes = list(map(_SHAPE, residuals))
+    if shapes != list(map(_SHAPE, shards)):
+        i = next(i for i, (r, leaf) in enumerate(zip(shapes, shards)) if r != leaf.shape)
+        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(shards[i].shape)}.")
+    if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
+        i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
+        raise ValueError(f"Arg ``state``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
+                         "makes them).")
 
 
 def compressed_mean_flat_(
@@ -358,6 +377,7 @@ def compressed_mean_flat_(
         as :func:`compressed_mean`, with ``flat`` and ``residual`` as they were. The
         rank check sees the one tensor: ranks must lay their leaves out alike.
     """
+    context = f"{context}, payloads of {compressor.name}"
     _check_compressible([flat], collective, layout_of([flat]))
     if not collective.is_member:
         return
@@ -482,8 +502,6 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     def update(params: PyTree, state: CompressionState, *, collective: Collective):
         """Pure: ``(pytree of the means, state with the new residuals, step + 1)``."""
         leaves, spec = tree_flatten(params)
-        if len(state.residuals) != len(leaves):
-            raise ValueError(f"Arg ``state`` holds {len(state.residuals)} residuals for {len(leaves)} leaves.")
         means, residuals = compressed_mean(
             leaves, state.residuals, compressor, collective,
             context=f"compressed_averager({compressor.name}) step {state.step}",

@@ -36,6 +36,12 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
     same = len(leaves) == len(globals_) and list(map(_SHAPE, leaves)) == list(map(_SHAPE, globals_))
     if same and same_dtype:
         same = list(map(_DTYPE, leaves)) == list(map(_DTYPE, globals_))
+    if same and config.compressor is not None and len(state.residuals) != len(globals_):
+        raise ValueError(
+            f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals for {len(globals_)} parameters: "
+            f"it was made by init of a transform without a compressor; this one has {config.compressor.name}. "
+            "Init a state with this transform."
+        )
     if same:
         return
     differing = next(

@@ -117,8 +117,10 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
             return InFlight(state.step, fragment, tuple(pseudo), (), CollectiveHandle())
         elif converted.converts(config, leaves, collective):  # one flat buffer in the dtype it is sent in
             globals_ = [state.global_params[i] for i in indices]
-            pseudo_flat, pseudo = converted.pseudo_gradient(globals_, locals_, config.comm_dtype or globals_[0].dtype)
-            sent = checked([pseudo_flat])
+            dtype = config.comm_dtype or globals_[0].dtype
+            pseudo_flat, pseudo = converted.pseudo_gradient(globals_, locals_, dtype)
+            # a new buffer at every call, of the metadata the fragment and the dtype decide: checked once
+            sent = checked_like(globals_, [pseudo_flat], why=("converted", dtype))
         else:
             pseudo = tuple(pseudo_gradient(config, state.global_params[i], leaves[i].detach()) for i in indices)
         if not config.delay:
