@@ -529,7 +529,7 @@ def _make_optimizer(
         ``grad``), and with autograd for an optimizer built ``differentiable=True``,
         the step is recorded instead: torch's single-tensor kernels in their
         differentiable form (equal to the eager step up to rounding: the step count's
-        powers are taken in its dtype, about 1e-7 of ``lr`` for Adam)."""
+        powers are taken in its dtype: about 1e-5 of ``lr`` for Adam's default betas)."""
         leaves, spec = tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         states = _per_leaf(spec, state, len(leaves))
