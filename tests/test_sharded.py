@@ -4,6 +4,8 @@ shards and 4 x 1, against the same algorithm run on unsharded replicas (the simu
 backend, in-process); mixed DTensor/plain trees; sharding mismatches and pending
 reductions refused on every rank."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from torch import nn
@@ -35,7 +37,8 @@ def _sharded_against_oracle(rank, world_size, shards, transform_name, oracle_of)
     """Run the transform on a fully_shard-ed model; alongside, run it on the oracle:
     the replicas' whole tensors (``oracle_of == "model"``) or their shards at this
     rank's coordinate (``"shard"``: the rule "each shard averaged with the same shard
-    of the other replica groups" itself), stacked and simulated in-process."""
+    of the other replica groups" itself), stacked and simulated in-process; or
+    (``"ranks"``) each replica's whole tensors on these ranks, over the same group."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
@@ -53,25 +56,32 @@ def _sharded_against_oracle(rank, world_size, shards, transform_name, oracle_of)
         return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
     def seen(name, full):
-        return full if oracle_of == "model" else shard(name, full)
+        return full if oracle_of in ("model", "ranks") else shard(name, full)
 
-    oracle = {n: torch.stack([seen(n, t)] * replicas) for n, t in initial.items()}
     collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
-    simulation = puredist.SimulatedCollective(replicas)
+    if oracle_of == "ranks":  # the whole tensors on these very ranks (a transform that is not elementwise)
+        oracle, simulation = {n: t.clone() for n, t in initial.items()}, collective
+    else:
+        oracle = {n: torch.stack([seen(n, t)] * replicas) for n, t in initial.items()}
+        simulation = puredist.SimulatedCollective(replicas)
     state, oracle_state = transform.init(params), transform.init(oracle)
-    # exact for 2 replicas; Gloo's ring sums 4 in another order than the simulation
-    tolerance = 0 if replicas == 2 else 1e-6
+    # exact for 2 replicas; Gloo's ring sums 4 in another order than the simulation, a sharded norm its shards
+    tolerance = 0 if replicas == 2 and transform_name != "diloco_normalized" else 1e-6
     for step in range(STEPS):
         with torch.no_grad():
             for name, p in params.items():
                 p.to_local().add_(shard(name, drift(replica, step, name, p.shape)))
-                oracle[name].add_(torch.stack([seen(name, drift(r, step, name, p.shape)) for r in range(replicas)]))
+                if oracle_of == "ranks":
+                    oracle[name].add_(drift(replica, step, name, p.shape))
+                else:
+                    oracle[name].add_(torch.stack([seen(name, drift(r, step, name, p.shape)) for r in range(replicas)]))
         state = transform.update_(params, state, collective=collective)
         oracle_state = transform.update_(oracle, oracle_state, collective=simulation)
         for name, p in params.items():
             assert type(p).__name__ == "DTensor"
-            ours = p.full_tensor() if oracle_of == "model" else p.to_local()
-            torch.testing.assert_close(ours, oracle[name][replica], rtol=tolerance, atol=tolerance,
+            ours = p.full_tensor() if oracle_of in ("model", "ranks") else p.to_local()
+            theirs = oracle[name] if oracle_of == "ranks" else oracle[name][replica]
+            torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance,
                                        msg=lambda m: f"{name} step {step}: {m}")
     return tuple(p.to_local().numel() for p in params.values())
 
@@ -90,7 +100,23 @@ TRANSFORMS = {
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1, fragments=2,
     ),
     "diloco_adam": lambda: puredist.outer_optimizer(puredist.adam(0.05), sync_every=3, warmup_steps=1),
+    # built by hand, so not elementwise: a step normalized by the gradient's norm, the whole tensor's
+    "diloco_normalized": lambda: puredist.outer_optimizer(_normalized_sgd(0.3), sync_every=2),
 }
+
+
+class _Count(NamedTuple):
+    count: torch.Tensor
+
+
+def _normalized_sgd(lr: float) -> puredist.Optimizer:
+    def update_(params, grads, states):
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(lr * g / g.norm())
+        return [_Count(s.count + 1) for s in states]
+
+    return puredist.Optimizer(lambda params: [_Count(torch.zeros(())) for _ in params], None, update_)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +127,7 @@ TRANSFORMS = {
         # compression cuts its blocks over the rank's shards, so its oracle is the shards themselves
         (2, "diloco_int8", "shard"), (2, "diloco", "shard"),
         (2, "diloco_sync", "model"), (1, "diloco_sync", "model"), (2, "diloco_adam", "model"),
+        (2, "diloco_normalized", "ranks"),
     ],
     ids=lambda value: {1: "4x1", 2: "2x2"}.get(value, str(value)),
 )
@@ -189,6 +216,27 @@ def _respecified_shards(rank, world_size):
 
 def test_a_shard_given_another_spec_at_the_same_address_is_checked_again():
     assert run_workers(_respecified_shards, 4) == [True] * 4
+
+
+def _dtensor_residuals(rank, world_size):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from puredist._dtensors import like
+
+    mesh = _mesh(2, 2)
+    full = torch.arange(32.0).reshape(8, 4) * (mesh.get_coordinate()[0] + 1)
+    leaf = distribute_tensor(full, mesh["shard"], [Shard(0)], src_data_rank=None)
+    averager = puredist.compressed_averager(puredist.int8_blocks(8))
+    state = averager.init([leaf])
+    as_dtensors = state._replace(residuals=tuple(like(leaf, r) for r in state.residuals))  # e.g. for DCP
+    collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
+    means, _ = averager.update([leaf], as_dtensors, collective=collective)
+    expected, _ = averager.update([leaf], state, collective=collective)
+    return torch.equal(means[0].to_local(), expected[0].to_local())
+
+
+def test_compressed_averaging_takes_residuals_kept_as_dtensors():
+    assert run_workers(_dtensor_residuals, 4) == [True] * 4
 
 
 def _different_shards_of_one_spec(rank, world_size):

@@ -348,7 +348,9 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
     would broadcast, or make this rank's payloads another size than its peers')."""
     if len(residuals) != len(leaves):
         raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
-    shards = leaves if layout.plain else [local_shard(leaf) for leaf in leaves]
+    shards = leaves
+    if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
+        shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
     shapes = list(map(_SHAPE, residuals))
     if shapes != list(map(_SHAPE, shards)):
         i = next(i for i, (r, leaf) in enumerate(zip(shapes, shards)) if r != leaf.shape)

@@ -31,9 +31,11 @@ from puredist.outer.config import OuterConfig
 
 def on_shards(config: OuterConfig, leaves: Checked) -> bool:
     """Whether a synchronization of ``leaves`` runs on their local shards: all real
-    DTensors, the global copy in their own place, synchronous and uncompressed."""
-    return (config.same_place and config.compressor is None and not config.delay and not leaves.layout.plain
-            and all_real_shards(leaves, leaves.layout))
+    DTensors, the global copy in their own place, synchronous and uncompressed, and an
+    outer optimizer that acts element by element (:attr:`~puredist.Optimizer.elementwise`:
+    one built by hand may take a norm, which on a shard would be the shard's)."""
+    return (config.same_place and config.compressor is None and not config.delay and config.outer.elementwise
+            and not leaves.layout.plain and all_real_shards(leaves, leaves.layout))
 
 
 class ShardedContext(NamedTuple):
