@@ -48,6 +48,18 @@ def transforms_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def vmap_levels(tensor: torch.Tensor) -> set[int]:
+    """The levels of the ``vmap`` transforms that map ``tensor``, looked for through
+    any other wrappers (``torch.func.grad``'s keep one value). (private:
+    ``torch._C._functorch``'s wrapper queries)"""
+    functorch, levels = torch._C._functorch, set()
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor):
+            levels.add(functorch.maybe_get_level(tensor))
+        tensor = functorch.get_unwrapped(tensor)
+    return levels
+
+
 def is_transformed(tensor: object) -> bool:
     """Whether ``tensor`` is wrapped by a ``torch.func`` transform (mapped by ``vmap``,
     tracked by ``grad``): its values cannot be read on the host, nor its memory.
@@ -130,7 +142,8 @@ def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *
     devices and strides at new addresses, each its own memory. Their layout is kept
     with the originals' under ``why`` (how they were made, with whatever else decides
     their metadata, e.g. the other operand's layout), so that tensors made anew at
-    every step are checked and planned once, not at every call."""
+    every step are checked and planned once, not at every call. (Also a buffer laid
+    out from them, e.g. one flat tensor of their elements: ``why`` then says so.)"""
     result = Checked(fresh)
 
     def made() -> Layout:

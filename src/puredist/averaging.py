@@ -30,7 +30,7 @@ from puredist._validation import (
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
-from puredist.collectives import CollectiveHandle, Collective
+from puredist.collectives import Collective, CollectiveHandle, refuse_on_all_ranks
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
@@ -86,9 +86,7 @@ def _leaves_or_refusal(params: PyTree, collective: Collective, group_size: int |
     try:
         return _float_leaves(params, in_place=in_place)
     except (TypeError, ValueError) as error:
-        refuse = getattr(collective, "refuse_on_all_ranks", None)
-        if refuse is not None:
-            refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+        refuse_on_all_ranks(collective, error, group_size=group_size, context=context)
         raise
 
 

@@ -119,6 +119,18 @@ class Collective(Protocol):
         ...
 
 
+def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_size: int | None = None,
+                        context: object = "") -> None:
+    """This rank's refusal for ``error`` (a ``TypeError`` or ``ValueError`` found in its
+    input) through the rank check its peers run next over ``collective``'s group of
+    ``group_size`` with ``context``, where the collective has one (see
+    :meth:`DistributedCollective.refuse_on_all_ranks`): they raise at once instead of
+    waiting for this rank. The caller raises ``error`` then."""
+    refuse = getattr(collective, "refuse_on_all_ranks", None)
+    if refuse is not None:
+        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+
+
 def divides_first(dtype: torch.dtype) -> bool:
     """Whether a mean in ``dtype`` divides each value before the sum: for dtypes with
     a narrower range than fp32 (fp16), where the sum of representable values
@@ -309,7 +321,7 @@ class DistributedCollective:
         try:
             given = checked(tensors)
         except (TypeError, ValueError) as error:
-            self.refuse_on_all_ranks(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
             raise
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
@@ -370,7 +382,7 @@ class DistributedCollective:
         try:
             checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
         except (TypeError, ValueError) as error:
-            self.refuse_on_all_ranks(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
             raise
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 

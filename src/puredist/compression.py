@@ -49,7 +49,7 @@ from puredist._consistency import REFUSED, RankMismatchError, refusals, with_ref
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import _FLOAT8
 from puredist._layout import Layout, layout_of, views_like
-from puredist.collectives import Collective, DistributedCollective, SimulatedCollective
+from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
 from puredist._staged import CollectiveError, nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
@@ -302,9 +302,7 @@ def compressed_mean(
         simulated = _check_compressible(leaves, collective, layout)
         _check_residuals(leaves, residuals, layout)
     except (TypeError, ValueError) as error:  # the peers learn it in their rank check, instead of waiting
-        refuse = getattr(collective, "refuse_on_all_ranks", None)
-        if refuse is not None:
-            refuse(f"{type(error).__name__}: {error}", context=context)
+        refuse_on_all_ranks(collective, error, context=context)
         raise
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]

@@ -48,7 +48,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._inputs import is_transformed, transforms_active
+from puredist._inputs import is_transformed, transforms_active, vmap_levels
 from puredist._out_of_place import adam_foreach, runs_foreach, sgd_foreach
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
@@ -257,7 +257,7 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
     _check_counted(states, why)
-    if transforms_active() and any(_is_mapped(s.step) for s in states):
+    if transforms_active() and any(vmap_levels(s.step) for s in states):  # (grad keeps one value: read it)
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
@@ -266,17 +266,6 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
     return [int(s.step) for s in states]
-
-
-def _is_mapped(tensor: torch.Tensor) -> bool:
-    """Whether a ``vmap`` maps ``tensor`` (through any ``torch.func.grad`` wrappers,
-    which keep one value that the host can read)."""
-    functorch = torch._C._functorch
-    while is_transformed(tensor):
-        if functorch.is_batchedtensor(tensor):
-            return True
-        tensor = functorch.get_unwrapped(tensor)
-    return False
 
 
 Hyper = float | Callable[[int], float]

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch.library import custom_op
 
-from puredist._inputs import checked_for_reduction
+from puredist._inputs import checked_for_reduction, vmap_levels
 from puredist.collectives import CollectiveHandle, ReplicaGroups, block_mean
 
 __all__ = ["VmapCollective", "replica_mean"]
@@ -146,40 +146,23 @@ _replica_gather_op.register_vmap(_replica_gather_vmap)
 
 
 class _ReplicaSelect(torch.autograd.Function):
-    """Replica ``source``'s value on every replica; its adjoint sums the incoming
-    gradients into the source (zero on the others)."""
+    """Replica ``source``'s value on every replica (``gather=False``), or its adjoint
+    (``gather=True``): the incoming gradients summed into the source, zero on the
+    others. Each is the other's adjoint, so both are differentiable any number of times."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
-        return _replica_select_op(tensor, source, num_replicas)
+    def forward(tensor: torch.Tensor, source: int, num_replicas: int, gather: bool) -> torch.Tensor:
+        return (_replica_gather_op if gather else _replica_select_op)(tensor, source, num_replicas)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.sizes = inputs[1:]
+        ctx.source, ctx.num_replicas, ctx.gather = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ReplicaGather.apply(grad, *ctx.sizes), None, None
-
-
-class _ReplicaGather(torch.autograd.Function):
-    """:class:`_ReplicaSelect`'s adjoint, itself differentiable (its adjoint is the select)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
-        return _replica_gather_op(tensor, source, num_replicas)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.sizes = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ReplicaSelect.apply(grad, *ctx.sizes), None, None
+        return _ReplicaSelect.apply(grad, ctx.source, ctx.num_replicas, not ctx.gather), None, None, None
 
 
 def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -195,14 +178,7 @@ def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
     if not levels:
         return list(range(len(tensors)))
 
-    def mapped(tensor: torch.Tensor) -> bool:
-        while functorch.is_functorch_wrapped_tensor(tensor):
-            if functorch.is_batchedtensor(tensor) and functorch.maybe_get_level(tensor) == levels[-1]:
-                return True
-            tensor = functorch.get_unwrapped(tensor)
-        return False
-
-    return [k for k, t in enumerate(tensors) if not mapped(t)]
+    return [k for k, t in enumerate(tensors) if levels[-1] not in vmap_levels(t)]
 
 
 class VmapCollective(ReplicaGroups):
@@ -261,7 +237,7 @@ class VmapCollective(ReplicaGroups):
         if not 0 <= src < self.num_replicas:
             raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
         unmapped = set(_unmapped(tensors))
-        return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas)
+        return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas, False)
                 for k, t in enumerate(tensors)]
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:

@@ -16,7 +16,7 @@ import torch
 
 from puredist._inputs import is_transformed, transforms_active
 from puredist.averaging import _float_leaves
-from puredist.collectives import Collective, CollectiveError
+from puredist.collectives import Collective, CollectiveError, refuse_on_all_ranks
 from puredist.optim import clone_states
 from puredist.outer.checks import (
     check_collective, check_initial_copy, check_initial_copy_traced, check_params, initial_check_context,
@@ -45,20 +45,19 @@ def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, coll
         fragments = fragment_leaves(config, leaves)
         check_collective(config, collective)
     except (TypeError, ValueError) as error:
-        _refuse_on_all_ranks(config, state, collective, error)
+        _refuse_step(config, state, collective, error)
         raise
     if state.step == 0:
         (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
     return leaves, spec, fragments
 
 
-def _refuse_on_all_ranks(config: OuterConfig, state: OuterState, collective: Collective, error: Exception) -> None:
+def _refuse_step(config: OuterConfig, state: OuterState, collective: Collective, error: Exception) -> None:
     """This rank's refusal of the step for ``error``, through the rank check its peers
     run first in it (:func:`_first_check`), where the collective has one."""
-    refuse, first = getattr(collective, "refuse_on_all_ranks", None), _first_check(config, state)
-    if refuse is not None and first is not None:
-        group_size, context = first
-        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+    first = _first_check(config, state)
+    if first is not None:
+        refuse_on_all_ranks(collective, error, group_size=first[0], context=first[1])
 
 
 def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, object] | None:
@@ -153,7 +152,7 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     try:
         leaves, spec = _float_leaves(params, in_place=True)
     except (TypeError, ValueError) as error:
-        _refuse_on_all_ranks(config, state, collective, error)
+        _refuse_step(config, state, collective, error)
         raise
     copies = clone_leaves(leaves)
     cloned = OuterState(
