@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import puredist
+from puredist import classic
 from faults import fault_at_collective
 from puredist._inputs import checked
 from puredist._host_groups import host_group
@@ -211,6 +212,30 @@ def _zero_on_the_gpu(rank, world_size):
 
 def test_the_zero_step_on_the_gpu_equals_torch_optim_bitwise_fused_included():
     run_workers(_zero_on_the_gpu, 2)
+
+
+def _classic_zero_on_the_gpu(rank, world_size):
+    """nn.Parameters (leaves that require grad): Gloo broadcasts a CUDA tensor through a
+    host copy and writes the result back into the source as well, at ``wait``."""
+    for torch_class, _, kwargs in ZERO_OPTIMIZERS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)).to(DEVICE)
+        reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        zero = classic.ZeroRedundancyOptimizer(model.parameters(), torch_class, **kwargs)
+        plain = torch_class(reference, **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p, r in zip(model.parameters(), reference):
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+                r.grad = p.grad.clone()
+            zero.step()
+            plain.step()
+        for p, r in zip(model.parameters(), reference):
+            assert torch.equal(p, r), f"{torch_class.__name__} {kwargs}"
+
+
+def test_the_classic_zero_optimizer_steps_cuda_parameters_over_gloo_as_torch_optim():
+    run_workers(_classic_zero_on_the_gpu, 2)
 
 
 def test_zero_overlapped_with_ddp_on_cuda_tensors_over_gloo_matches_ddp_with_the_plain_optimizer():

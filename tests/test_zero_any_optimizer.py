@@ -309,3 +309,42 @@ def test_load_state_dict_shares_nothing_with_its_argument():
         return float(saved["param_groups"][0]["lr"])
 
     assert run(check, 2) == [pytest.approx(0.01), pytest.approx(0.01)]
+
+
+def _broadcasts_written_back_at_wait(rank, world_size):
+    """Gloo broadcasts a CUDA tensor through a host copy and copies the result back into
+    every input, the source's too, when the caller waits, in the caller's grad mode.
+    Emulated here on CPU tensors: each broadcast's ``wait`` writes its buffer in place."""
+    original = dist.broadcast
+
+    class WrittenBackAtWait:
+        def __init__(self, work, tensor):
+            self._work, self._tensor = work, tensor
+
+        def wait(self, *args):
+            done = self._work.wait(*args)
+            self._tensor.copy_(self._tensor.detach().clone())
+            return done
+
+    def broadcast(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        return WrittenBackAtWait(work, tensor) if kwargs.get("async_op") else work
+
+    dist.broadcast = broadcast
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(reference, lr=0.01)
+    for step in range(STEPS):
+        for p, r in zip(model.parameters(), reference):
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+            r.grad = p.grad.clone()
+        zero.step()
+        plain.step()
+    for p, r in zip(model.parameters(), reference):
+        assert torch.equal(p, r)
+
+
+def test_zero_steps_parameters_that_a_backend_writes_back_into_at_wait():
+    run_workers(_broadcasts_written_back_at_wait, 2)

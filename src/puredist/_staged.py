@@ -196,7 +196,9 @@ class _Bucket:
         self._write_back = write_back
         self._release = None
         if pack and not write_back and scale_before is None and len(self._targets) == 1 and self._targets[0].is_contiguous():
-            buffer, pack = self._targets[0].view(-1), False  # a source only reads: send from its own storage
+            # a source only reads: send from its own storage, detached (Gloo copies a CUDA
+            # tensor's result back into the source too, at wait, in the caller's grad mode)
+            buffer, pack = self._targets[0].detach().view(-1), False
             self._views = None
         else:
             buffer, self._views, self._release = staging()
