@@ -87,6 +87,9 @@ def methods_for(shapes: list[tuple[int, ...]], device: torch.device) -> dict:
     if world == 1:
         methods["puredist body (1 rank)"] = body(collective)
         methods["puredist body, no rank check"] = body(unchecked)
+        if device.type != "cpu":  # the host default's smaller buckets: more collectives, each launched by the host
+            host_cap = puredist.DistributedCollective(bucket_cap_bytes=puredist.DEFAULT_BUCKET_CAP_BYTES)
+            methods["puredist body, 32 MiB buckets"] = body(host_cap)
         methods["DiLoCo sync (1 rank: no mean)"] = sync
     else:
         methods["puredist average_"] = lambda: puredist.average_(params, collective=collective)

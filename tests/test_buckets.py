@@ -74,3 +74,27 @@ def test_large_contiguous_tensors_never_share_a_bucket_when_asked(tensors, bucke
                  if tensors[p.index].is_contiguous() and tensors[p.index].numel() * tensors[p.index].element_size() >= alone_from]
         if large:
             assert {p.index for p in bucket.pieces} == {large[0]}
+
+
+def test_the_default_staging_cap_is_per_device_larger_off_the_host():
+    """Without a cap, host tensors are staged in buckets of half of 32 MiB, an
+    accelerator's in buckets of half of 256 MiB (the meta device stands for a GPU here:
+    it has no data). Brute force: the bucket sizes a run launches, per device."""
+    from puredist._staged import StagingPool, run_staged
+
+    class Done:
+        def wait(self):
+            return True
+
+    mib = 2**20
+    launched = {}
+    for device in ("cpu", "meta"):
+        tensors = [torch.zeros(10 * mib, device=device), torch.zeros(5 * mib, device=device)]  # 60 MiB of fp32
+        sizes = launched[device] = []
+        run_staged(tensors, None, lambda buffer: sizes.append(buffer.numel() * 4) or Done(),
+                   what="test", async_op=False, pack=True, pool=StagingPool())
+    assert launched["cpu"] == [16 * mib] * 3 + [12 * mib]
+    assert launched["meta"] == [60 * mib]
+    assert StagingPool().capacity(torch.device("cpu")) == 32 * mib
+    assert StagingPool().capacity(torch.device("meta")) == 256 * mib
+    assert StagingPool(4096).capacity(torch.device("meta")) == 4096

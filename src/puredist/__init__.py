@@ -43,6 +43,7 @@ from puredist.compression import (
 )
 from puredist.collectives import (
     DEFAULT_BUCKET_CAP_BYTES,
+    DEFAULT_DEVICE_BUCKET_CAP_BYTES,
     CollectiveError,
     CollectiveHandle,
     Collective,
@@ -68,6 +69,7 @@ __all__ = [
     "CollectiveHandle",
     "Collective",
     "DEFAULT_BUCKET_CAP_BYTES",
+    "DEFAULT_DEVICE_BUCKET_CAP_BYTES",
     "DistributedCollective",
     "RankMismatchError",
     "SimulatedCollective",

@@ -21,7 +21,7 @@ to), so every rank issues the same collectives in the same order.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -46,13 +46,16 @@ class Bucket(NamedTuple):
     nbytes: int
 
 
-def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *, alone_from: int | None = None) -> list[Bucket]:
+def plan_buckets(
+    tensors: Sequence[torch.Tensor], bucket_bytes: int | Callable[[torch.device], int], *, alone_from: int | None = None
+) -> list[Bucket]:
     """Stream ``tensors`` into buckets of at most ``bucket_bytes`` of one device and dtype.
 
     Args:
         tensors: the tensors to reduce, in the (rank-consistent) order given.
         bucket_bytes: the staging size of one bucket, ``>= 1`` (a bucket holds at least
-            one element, and a non-contiguous tensor whole).
+            one element, and a non-contiguous tensor whole); or a function giving it
+            for a device.
         alone_from: contiguous tensors of at least this many bytes get buckets of
             their own (cut at ``bucket_bytes``), never shared with another tensor: a
             broadcast source then sends them from their own storage, with no copy.
@@ -66,7 +69,8 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *, alone_fr
         groups.setdefault((tensor.device, tensor.dtype), []).append(index)
 
     buckets: list[Bucket] = []
-    for indices in groups.values():
+    for (device, _), indices in groups.items():
+        limit = bucket_bytes(device) if callable(bucket_bytes) else bucket_bytes
         pieces: list[Piece] = []
         used = 0
 
@@ -80,7 +84,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *, alone_fr
             tensor = tensors[index]
             numel, size = tensor.numel(), tensor.element_size()
             if not tensor.is_contiguous():
-                if used + numel * size > bucket_bytes:
+                if used + numel * size > limit:
                     close()
                 pieces.append(Piece(index, 0, numel))
                 used += numel * size
@@ -90,7 +94,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *, alone_fr
                 close()
             start = 0
             while start < numel:
-                room = (bucket_bytes - used) // size
+                room = (limit - used) // size
                 if room <= 0 and pieces:
                     close()
                     continue

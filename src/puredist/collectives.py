@@ -48,7 +48,15 @@ from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction
-from puredist._staged import CollectiveError, CollectiveHandle, StagingPool, nothing_changed, run_staged
+from puredist._staged import (
+    DEVICE_BUCKET_CAP_BYTES,
+    HOST_BUCKET_CAP_BYTES,
+    CollectiveError,
+    CollectiveHandle,
+    StagingPool,
+    nothing_changed,
+    run_staged,
+)
 from puredist._validation import check_bucket_cap_bytes
 
 if TYPE_CHECKING:
@@ -56,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES",
+    "DEFAULT_DEVICE_BUCKET_CAP_BYTES",
     "Collective",
     "CollectiveError",
     "CollectiveHandle",
@@ -69,8 +78,12 @@ BROADCAST_IN_PLACE_MIN_BYTES = 2**20
 """A broadcast source sends contiguous tensors from this size up from their own
 storage (receivers still stage them, so a failed receive leaves them untouched)."""
 
-DEFAULT_BUCKET_CAP_BYTES = 32 * 2**20
-"""Staging memory one averaging may use beyond the parameters: 32 MiB."""
+DEFAULT_BUCKET_CAP_BYTES = HOST_BUCKET_CAP_BYTES
+"""Staging memory one averaging of host tensors may use beyond the parameters: 32 MiB."""
+
+DEFAULT_DEVICE_BUCKET_CAP_BYTES = DEVICE_BUCKET_CAP_BYTES
+"""The same for an accelerator's tensors: 256 MiB (a collective's launch costs tens of
+microseconds of host time there: fewer, larger buckets)."""
 
 
 class Collective(Protocol):
@@ -187,10 +200,13 @@ class DistributedCollective:
             size ``g`` (as made by ``dist.new_subgroups(g, group=process_group)``);
             see :meth:`with_subgroups`.
         bucket_cap_bytes: staging memory an averaging may use beyond the
-            parameters, kept between calls (allocated at the first, as large as that
-            call needs, up to the cap). Tensors are packed into buckets of half of
-            it, so that the copy into one bucket overlaps the all-reduce of the
-            previous one.
+            parameters, per device, kept between calls (allocated at the first, as
+            large as that call needs, up to the cap). Tensors are packed into buckets
+            of half of it, so that the copy into one bucket overlaps the all-reduce of
+            the previous one. ``None``: :data:`DEFAULT_BUCKET_CAP_BYTES` (32 MiB) for
+            host tensors, :data:`DEFAULT_DEVICE_BUCKET_CAP_BYTES` (256 MiB) for a
+            GPU's, where each collective's launch costs tens of microseconds of host
+            time.
         check_consistency: verify, with one small all-gather per averaging, that
             every rank passes the same tensors (raises instead of hanging). The
             all-gather is of host tensors, over the group itself when it has a CPU
@@ -208,10 +224,11 @@ class DistributedCollective:
         process_group: dist.ProcessGroup | None = None,
         *,
         subgroups: Mapping[int, dist.ProcessGroup] | None = None,
-        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        bucket_cap_bytes: int | None = None,
         check_consistency: bool = True,
     ) -> None:
-        check_bucket_cap_bytes(bucket_cap_bytes)
+        if bucket_cap_bytes is not None:
+            check_bucket_cap_bytes(bucket_cap_bytes)
         if not dist.is_initialized():
             raise ValueError("DistributedCollective needs torch.distributed.init_process_group() first.")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
