@@ -105,6 +105,50 @@ def test_gloo_averages_cuda_tensors_in_place_equal_to_the_formula():
     run_workers(_average_on_the_gpu, 2)
 
 
+def _staging_reused_from_another_stream(rank, world_size):
+    """NCCL's semantics, emulated at one rank (two NCCL ranks need two GPUs): the
+    collective runs on a stream of its own that waits for the current stream at launch,
+    and ``wait`` orders the current stream after it, the host not waiting. The first
+    run's collective is held back (a late peer); the second is issued on another
+    stream. Oracle: each run's tensor keeps its own values (the sum of one rank)."""
+    from puredist._staged import StagingPool, run_staged
+
+    comm = torch.cuda.Stream()
+
+    class Work:
+        def wait(self):
+            torch.cuda.current_stream().wait_stream(comm)
+
+    def launch(late: bool):
+        def start(buffer):
+            comm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(comm):
+                if late:
+                    torch.cuda._sleep(200_000_000)
+                buffer.mul_(1.0)  # reads and writes the staging buffer
+            return Work()
+        return start
+
+    for async_op in (False, True):
+        pool = StagingPool()
+        first, second = torch.full((2**20,), 1.0, device="cuda"), torch.full((2**20,), 2.0, device="cuda")
+        handle = run_staged([first], None, launch(True), what="first", async_op=async_op, pack=True, pool=pool)
+        if handle is not None:
+            handle.wait()  # its buffer goes back to the pool; the host does not wait for the GPU
+        with torch.cuda.stream(torch.cuda.Stream()):
+            handle = run_staged([second], None, launch(False), what="second", async_op=async_op, pack=True, pool=pool)
+            if handle is not None:
+                handle.wait()
+        torch.cuda.synchronize()
+        assert torch.equal(first, torch.full_like(first, 1.0)), (async_op, first.max().item())
+        assert torch.equal(second, torch.full_like(second, 2.0)), async_op
+
+
+@pytest.mark.skipif(DRY_RUN, reason="streams are CUDA's")
+def test_staging_memory_taken_on_another_stream_waits_for_the_collective_that_last_used_it():
+    run_workers(_staging_reused_from_another_stream, 1)
+
+
 def _async_average_reads_the_values_at_launch(rank, world_size):
     collective = puredist.DistributedCollective(bucket_cap_bytes=2**20)
     bases = [torch.randn(1024, 1024, generator=torch.Generator().manual_seed(r)).to(DEVICE) for r in range(world_size)]

@@ -330,6 +330,12 @@ class StagingPool:
 
     After a failed run the buffers are dropped (the backend may still hold the failed
     collectives' views of them); the next run allocates new ones.
+
+    On a GPU a run returns before its work is done (NCCL orders the current stream
+    after the collective; the host does not wait). Work on one stream runs in order,
+    but a run issued on another stream would write a buffer the last run's collective
+    may still read: so a buffer handed out on another stream than the one that last
+    used it makes the new stream wait for the old one first.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -339,6 +345,7 @@ class StagingPool:
         self._spare: dict[tuple[torch.device, int], list[_Spare]] = {}
         self._spare_bytes = 0
         self._views: dict[tuple[int, int], tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
+        self._last_stream: dict[torch.device, object] = {}  # a GPU's stream that last used its blocking buffer
 
     def take(self, spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor], Callable[[], None]]:
         """A buffer for an asynchronous run of ``spec``'s bucket, its views, and the
@@ -350,6 +357,7 @@ class StagingPool:
         if spares:
             self._spare_bytes -= nbytes
             spare = spares.pop()
+            _after(spare.stream)
         else:
             spare = _Spare(torch.empty(nbytes, dtype=torch.uint8, device=spec.device))
         return (*spare.staged(spec), lambda: self._give_back(spare))
@@ -362,6 +370,7 @@ class StagingPool:
         """Keep a buffer from :meth:`take` whose collective succeeded, for the next
         asynchronous run, while the spares stay within ``capacity`` bytes."""
         nbytes = spare.memory.numel()
+        spare.stream = _stream_of(spare.memory.device)  # its write-back's
         if self._spare_bytes + nbytes <= self.capacity(spare.memory.device):
             self._spare.setdefault((spare.memory.device, nbytes), []).append(spare)
             self._spare_bytes += nbytes
@@ -372,6 +381,9 @@ class StagingPool:
         if device not in self._memory or self._memory[device].numel() < size:
             self._memory[device] = torch.empty(size, dtype=torch.uint8, device=device)
             self._views = {}
+        else:
+            _after(self._last_stream.get(device))
+        self._last_stream[device] = _stream_of(device)
         self._head[device] = 0  # a blocking run starts when the last one has finished: it starts the ring anew
         return self._memory[device].numel()
 
@@ -408,13 +420,29 @@ class StagingPool:
         return self._memory[device][offset : offset + nbytes].view(dtype)
 
 
-class _Spare:
-    """The staging memory of an asynchronous run, kept with its views per bucket."""
+def _stream_of(device: torch.device):
+    """The current CUDA stream of ``device`` (``None`` elsewhere: host work is in order)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    __slots__ = ("memory", "_views")
+
+def _after(stream) -> None:
+    """Make the current stream of ``stream``'s device wait for ``stream``'s work so far
+    (nothing where it is ``None`` or the current one)."""
+    if stream is not None:
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_stream(stream)
+
+
+class _Spare:
+    """The staging memory of an asynchronous run, kept with its views per bucket and
+    the stream that last wrote from it."""
+
+    __slots__ = ("memory", "stream", "_views")
 
     def __init__(self, memory: torch.Tensor) -> None:
         self.memory = memory
+        self.stream = None
         self._views: dict[int, tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
 
     def staged(self, spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
