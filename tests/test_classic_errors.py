@@ -1,7 +1,9 @@
 """Bad input to the classic layer: the same exception type as torch's class where
 torch raises, a clear error where torch stays silent, and torch's warnings."""
 
+import contextlib
 import os
+import time
 import warnings
 
 import numpy as np
@@ -74,6 +76,9 @@ def _all_cases(rank, world_size):
         classic.PeriodicModelAverager(period=1)
         torch_hierarchical.HierarchicalModelAverager({1: 4})
         classic.HierarchicalModelAverager({1: 4})
+        for module in (torch_hierarchical, classic):  # warns, then refuses the warm-up
+            with contextlib.suppress(ValueError):
+                module.HierarchicalModelAverager({1: 4}, warmup_steps=-1)
     # the file and line a warning is attributed to: the caller's (filters by module select on it)
     results["warnings"] = [(w.category.__name__, str(w.message), os.path.basename(w.filename)) for w in caught]
     return results
@@ -114,9 +119,62 @@ def test_unordered_periods_are_refused(outcomes):
 
 
 def test_period_one_warns_like_torch(outcomes):
-    torch_periodic, ours_periodic, torch_hier, ours_hier = outcomes["warnings"]
+    torch_periodic, ours_periodic, torch_hier, ours_hier, torch_refused, ours_refused = outcomes["warnings"]
     assert ours_periodic == torch_periodic and torch_periodic[2] == "test_classic_errors.py"
     assert ours_hier == torch_hier
+    assert ours_refused == torch_refused  # the warning comes before the warm-up's refusal
+
+
+def _steps_that_average(averager, rank, steps, changes):
+    """The steps at which ``averager`` averaged (a rank-local value moved), with the
+    attribute ``changes`` made at the given steps."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    averaged = []
+    for step in range(steps):
+        for attribute, value in changes.get(step, {}).items():
+            setattr(averager, attribute, value)
+        with torch.no_grad():
+            param.fill_(float(rank))
+        param.grad = torch.zeros(1)
+        averager.average_parameters([param])
+        if param.item() != rank:
+            averaged.append(step)
+    return averaged
+
+
+def _schedules_after_attribute_changes(rank, world_size):
+    changes = {2: {"period": 3, "warmup_steps": 2}, 9: {"period": 1}}
+    hierarchy_changes = {1: {"warmup_steps": 6}}
+    return {
+        "periodic": [_steps_that_average(m.PeriodicModelAverager(period=4), rank, 16, changes)
+                     for m in (torch_averagers, classic)],
+        "hierarchical": [_steps_that_average(m.HierarchicalModelAverager({2: 2}), rank, 12, hierarchy_changes)
+                         for m in (torch_hierarchical, classic)],
+    }
+
+
+def test_a_changed_period_or_warm_up_takes_effect_as_in_torch():
+    # torch reads the attributes at every call; the oracle is torch's class, side by side
+    for torchs, ours in run_workers(_schedules_after_attribute_changes, 2)[0].values():
+        assert ours == torchs and len(torchs) > 2, (ours, torchs)
+
+
+def _one_rank_passes_a_plain_tensor(rank, world_size):
+    averager = classic.PeriodicModelAverager(period=2)
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.zeros(3)
+    start = time.monotonic()
+    try:
+        averager.average_parameters([torch.ones(3)] if rank == 1 else [param])
+    except Exception as error:  # noqa: BLE001 - the type and the time are the result
+        return type(error).__name__, time.monotonic() - start, str(error)
+    return None, time.monotonic() - start, ""
+
+
+def test_a_rank_passing_an_unsupported_element_makes_its_peers_raise_at_once():
+    (peer, peer_s, message), (refusing, _, _) = run_workers(_one_rank_passes_a_plain_tensor, 2, gloo_timeout=20)
+    assert refusing == "NotImplementedError"
+    assert peer == "RankMismatchError" and peer_s < 10 and "not supported" in message, (peer, peer_s, message)
 
 
 @pytest.mark.parametrize("case", sorted(ACCEPTED))

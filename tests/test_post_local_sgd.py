@@ -225,12 +225,21 @@ def _resume_from_disk(rank, world_size, how, folder):
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # local
+        hook_state.iter = START_LOCAL_SGD
+        before = params_of(model)
         try:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            train_step(model, optimizer, rank, 5)
         except RuntimeError as error:
             assert "another rank's parameters or optimizer state" in str(error)
+            assert all(torch.equal(a, b) for a, b in zip(before, params_of(model)))  # nothing stepped
+            with pytest.raises(RuntimeError, match="another rank's"):  # nor at any later step
+                optimizer.step()
             return "refused"
-        hook_state.iter = START_LOCAL_SGD
+        for step in range(6, STEPS):
+            train_step(model, optimizer, rank, step)
+        assert all(torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted))
+        return "resumed"
     else:
         saved = torch.load(f"{folder}/rank{rank}.pt")
         model.load_state_dict(saved["model"])
@@ -255,3 +264,84 @@ def _resume_from_disk(rank, world_size, how, folder):
 )
 def test_checkpoints_on_disk_resume_bit_for_bit_or_refuse_on_every_rank(how, world_size, expected, tmp_path):
     assert run_workers(_resume_from_disk, world_size, how, str(tmp_path)) == [expected] * world_size
+
+
+def _adam_and_scalar_parameters_checkpoint(rank, world_size):
+    """Adam keeps a 0-dim ``step`` tensor per parameter, and a parameter may be 0-dim:
+    the state's digests take them (torch's state_dict does)."""
+    model = DDP(torch.nn.ModuleDict({"linear": torch.nn.Linear(3, 2)}))
+    model.module.register_parameter("scale", torch.nn.Parameter(torch.tensor(1.5)))
+    optimizer = classic.PostLocalSGDOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), classic.PeriodicModelAverager(period=2, warmup_steps=1))
+    for _ in range(3):
+        optimizer.zero_grad()
+        (model.module["linear"](torch.ones(4, 3)).sum() * model.module.scale).backward()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    restored = classic.PostLocalSGDOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), classic.PeriodicModelAverager(period=2, warmup_steps=1))
+    restored.load_state_dict(saved)
+    restored.step()  # its own state and parameters: the check passes
+    return saved["step"]
+
+
+def test_the_state_dict_of_adam_and_of_a_scalar_parameter():
+    assert run_workers(_adam_and_scalar_parameters_checkpoint, 2) == [3, 3]
+
+
+def _one_rank_saves_every_rank_loads(rank, world_size, momentum, folder):
+    """torch's own reload test: DDP keeps the ranks equal; rank 0 saves, every rank loads."""
+    model, optimizer, hook_state = build(PUREDIST, None, momentum)
+    for step in range(START_LOCAL_SGD):  # DDP's all-reduce: ranks equal
+        train_step(model, optimizer, rank, step)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f"{folder}/rank0.pt")
+    dist.barrier()
+    saved = torch.load(f"{folder}/rank0.pt")
+    model, optimizer, hook_state = build(PUREDIST, None, momentum)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optim"])  # local: no collective
+    try:
+        train_step(model, optimizer, rank, START_LOCAL_SGD)
+    except RuntimeError as error:
+        assert "another rank's" in str(error)
+        return "refused"
+    return "resumed"
+
+
+@pytest.mark.parametrize("momentum, expected", [(0.0, "resumed"), (0.9, "refused")])
+def test_one_rank_saving_for_all_resumes_where_the_state_holds_nothing_rank_local(momentum, expected, tmp_path):
+    # with momentum the state is rank-local in general (it is not checked whether the ranks' happened to agree)
+    assert run_workers(_one_rank_saves_every_rank_loads, 2, momentum, str(tmp_path)) == [expected] * 2
+
+
+def _a_load_on_one_rank(rank, world_size):
+    """A load is local, as torch's: rank 0 alone loads while rank 1 does nothing."""
+    model, optimizer, _ = build(PUREDIST, None)
+    saved = optimizer.state_dict()
+    if rank == 0:
+        optimizer.load_state_dict(saved)
+    return optimizer.averager.step
+
+
+def test_load_state_dict_is_local():
+    assert run_workers(_a_load_on_one_rank, 2, timeout=30, gloo_timeout=10) == [0, 0]
+
+
+def _step_under_an_lr_scheduler_and_dcp(rank, world_size):
+    """DCP's zero-lr initialization step reaches ``step`` through the scheduler's wrapper
+    (it runs where the optimizer holds no state: SGD without momentum, at every save)."""
+    subgroup, _ = dist.new_subgroups(group_size=2)
+    model, optimizer, _ = build(PUREDIST, subgroup, momentum=0.0)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+    for step in range(4):
+        train_step(model, optimizer, rank, step)
+    optimizer.zero_grad(set_to_none=True)  # (DCP initializes only where no parameter has a gradient)
+    before, step_before = params_of(model), optimizer.averager.step
+    get_optimizer_state_dict(model, optimizer)
+    get_optimizer_state_dict(model, optimizer)
+    return optimizer.averager.step == step_before and all(torch.equal(a, b) for a, b in zip(before, params_of(model)))
+
+
+def test_a_checkpoint_through_an_lr_schedulers_wrapper_neither_steps_the_averager_nor_averages():
+    assert run_workers(_step_under_an_lr_scheduler_and_dcp, 2) == [True, True]

@@ -160,13 +160,14 @@ def _everyone_loads_rank_0s_file(rank, world_size, folder):
         train_step(model, optimizer, rank, step)
     torch.save(optimizer.state_dict(), f"{folder}/rank{rank}.pt")
     dist.barrier()
-    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    optimizer.load_state_dict(torch.load(f"{folder}/rank0.pt"))  # local, as torch's
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="another rank's parameters or optimizer state"):
-        optimizer.load_state_dict(torch.load(f"{folder}/rank0.pt"))
-    assert all(torch.equal(optimizer.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
+        train_step(model, optimizer, rank, 5)  # the first step after it: every rank refuses, nothing stepped
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_every_rank_loading_rank_0s_post_local_sgd_file_raises_on_every_rank_without_waiting(tmp_path):
+def test_every_rank_loading_rank_0s_post_local_sgd_file_refuses_its_next_step_on_every_rank_without_waiting(tmp_path):
     run_workers(_everyone_loads_rank_0s_file, 2, str(tmp_path), timeout=30, gloo_timeout=20)
 
 
@@ -179,8 +180,9 @@ def _other_momentum_same_parameters(rank, world_size):
     if rank == 1:  # its own file, its own parameters, but another momentum (as another rank's would be)
         for entry in saved["state"].values():
             entry["momentum_buffer"] = entry["momentum_buffer"] * 2
+    optimizer.load_state_dict(saved)
     with pytest.raises(RuntimeError, match="another rank's parameters or optimizer state"):
-        optimizer.load_state_dict(saved)
+        train_step(model, optimizer, rank, 5)
 
 
 def test_a_post_local_sgd_state_with_another_momentum_is_refused_on_every_rank():
@@ -401,3 +403,4 @@ def _residuals_at_another_sharding(rank, world_size):
 
 def test_compressed_residuals_saved_at_another_sharding_are_refused():
     run_workers(_residuals_at_another_sharding, 2)
+

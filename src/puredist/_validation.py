@@ -39,15 +39,17 @@ def check_period(period: int, *, arg: str = "period") -> None:
         raise ValueError(f"Arg ``{arg}`` must be a positive value, got {period}.")
 
 
-def warn_if_period_is_one(period: int, *, stacklevel: int) -> None:
-    """Warn as torch does when averaging every step (plain DDP is cheaper)."""
-    if period == 1:
+def warn_if_period_is_one(period: int, *, stacklevel: int | None) -> None:
+    """Warn as torch does when averaging every step (plain DDP is cheaper); ``None``:
+    no warning (torch warns only when an averager is built)."""
+    if period == 1 and stacklevel is not None:
         warnings.warn(_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 
-def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int) -> None:
-    """Warn as torch's hierarchical averager does when its largest period is 1."""
-    if periods[-1] == 1:
+def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int | None) -> None:
+    """Warn as torch's hierarchical averager does when its largest period is 1
+    (``None``: no warning)."""
+    if periods[-1] == 1 and stacklevel is not None:
         warnings.warn(_MAX_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 

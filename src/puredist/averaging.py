@@ -239,9 +239,10 @@ def periodic_averager(period: int, warmup_steps: int = 0) -> Averager:
     return periodic_averager_warning_at(period, warmup_steps, stacklevel=3)
 
 
-def periodic_averager_warning_at(period: int, warmup_steps: int, *, stacklevel: int) -> Averager:
+def periodic_averager_warning_at(period: int, warmup_steps: int, *, stacklevel: int | None) -> Averager:
     """:func:`periodic_averager`, its warning attributed to the frame ``stacklevel``
-    above this one (2: the caller's line; a drop-in class passes its own caller's)."""
+    above this one (2: the caller's line; a drop-in class passes its own caller's;
+    ``None``: no warning)."""
     averages = periodic_schedule(period, warmup_steps)
     warn_if_period_is_one(period, stacklevel=stacklevel)
     return _scheduled_averager(
@@ -273,15 +274,16 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
 
 
 def hierarchical_averager_warning_at(
-    period_group_sizes: Mapping[int, int], warmup_steps: int, *, stacklevel: int
+    period_group_sizes: Mapping[int, int], warmup_steps: int, *, stacklevel: int | None
 ) -> Averager:
     """:func:`hierarchical_averager`, its warning attributed as
-    :func:`periodic_averager_warning_at`'s."""
+    :func:`periodic_averager_warning_at`'s (the warning comes before the warm-up's
+    check, as torch's)."""
     periods = tuple(period_group_sizes)
     check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())
-    level = hierarchical_schedule(periods, warmup_steps)
     warn_if_max_period_is_one(periods, stacklevel=stacklevel)
+    level = hierarchical_schedule(periods, warmup_steps)
 
     def decide(step: int) -> _Decision:
         index = level(step)

@@ -10,6 +10,7 @@ This module must not average by itself: it calls puredist's averagers.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 from abc import ABC, abstractmethod
@@ -99,15 +100,22 @@ class _CoreAverager(ModelAverager):
         At a step without averaging ``params`` is not read, as in torch.
 
         Raises:
-            NotImplementedError: an element is neither a Parameter nor a param group.
+            NotImplementedError: an element is neither a Parameter nor a param group
+                (its peers raise RankMismatchError at once, naming it).
             RankMismatchError: ranks selected different parameters (every rank).
         """
         if not self._due(self.step):
             self.step += 1
             return
-        self._state = self._averager.update_(
-            get_params_to_average(params), self._state, collective=self._collective
-        )
+        try:
+            selected = get_params_to_average(params)
+        except NotImplementedError as error:
+            # the averager refuses a leaf that is not a tensor on every rank: through the rank check its
+            # peers run first, so that they raise at once instead of waiting for this rank
+            with contextlib.suppress(TypeError):
+                self._averager.update_([error], self._state, collective=self._collective)
+            raise
+        self._state = self._averager.update_(selected, self._state, collective=self._collective)
 
 
 class PeriodicModelAverager(_CoreAverager):
@@ -127,10 +135,31 @@ class PeriodicModelAverager(_CoreAverager):
 
     def __init__(self, period, warmup_steps=0, process_group: dist.ProcessGroup | None = None):
         super().__init__(process_group)
+        self._schedule(period, warmup_steps, stacklevel=4)  # the warning at the caller's line
+        self._collective = DistributedCollective(self.process_group)
+
+    def _schedule(self, period, warmup_steps, *, stacklevel: int | None) -> None:
         period, warmup_steps = as_int(period), as_int(warmup_steps)
         check_warmup_steps(warmup_steps)  # before the period, as torch
-        self._averager = periodic_averager_warning_at(period, warmup_steps, stacklevel=3)  # at the caller's line
+        self._averager = periodic_averager_warning_at(period, warmup_steps, stacklevel=stacklevel)
         self._due = periodic_schedule(period, warmup_steps)
-        self._collective = DistributedCollective(self.process_group)
-        self.warmup_steps = warmup_steps
-        self.period = period
+        self._period, self._warmup_steps = period, warmup_steps
+
+    @property
+    def period(self) -> int:
+        """Steps per averaging. Settable, as torch's (which reads it at every call):
+        the schedule from the current step on, checked as when built (no warning)."""
+        return self._period
+
+    @period.setter
+    def period(self, period) -> None:
+        self._schedule(period, self._warmup_steps, stacklevel=None)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before averaging starts; settable as :attr:`period`."""
+        return self._warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, warmup_steps) -> None:
+        self._schedule(self._period, warmup_steps, stacklevel=None)

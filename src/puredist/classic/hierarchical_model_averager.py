@@ -52,16 +52,13 @@ class HierarchicalModelAverager(_CoreAverager):
     def __init__(self, period_group_size_dict=None, warmup_steps=0, process_group=None):
         super().__init__(process_group)
         hierarchy = {as_int(period): as_int(size) for period, size in (period_group_size_dict or {}).items()}
-        warmup_steps = as_int(warmup_steps)
         check_hierarchy_periods(tuple(hierarchy), arg="period_group_size_dict")  # torch's names in messages
-        self._averager = hierarchical_averager_warning_at(hierarchy, warmup_steps, stacklevel=3)  # at the caller's line
-        levels = hierarchical_schedule(tuple(hierarchy), warmup_steps)
-        self._due = lambda step: levels(step) is not None
+        self._hierarchy = hierarchy
+        self._schedule(warmup_steps, stacklevel=4)  # the warning at the caller's line
         overall_group_size = dist.get_world_size(group=self.process_group)
         check_hierarchy_group_sizes(
             tuple(hierarchy.values()), overall_group_size, arg="period_group_size_dict", whole="arg ``process_group``"
         )
-        self.warmup_steps = warmup_steps
 
         self.period_process_group_dict = OrderedDict()
         logger.info("Model averaging hierarchy:")
@@ -80,3 +77,21 @@ class HierarchicalModelAverager(_CoreAverager):
             self.process_group,
             subgroups={hierarchy[p]: g for p, g in self.period_process_group_dict.items()},
         )
+
+    def _schedule(self, warmup_steps, *, stacklevel: int | None) -> None:
+        warmup_steps = as_int(warmup_steps)
+        self._averager = hierarchical_averager_warning_at(self._hierarchy, warmup_steps, stacklevel=stacklevel)
+        levels = hierarchical_schedule(tuple(self._hierarchy), warmup_steps)
+        self._due = lambda step: levels(step) is not None
+        self._warmup_steps = warmup_steps
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before averaging starts. Settable, as torch's (which reads it at every
+        call): the schedule from the current step on, checked as when built. (The
+        hierarchy is fixed when built.)"""
+        return self._warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, warmup_steps) -> None:
+        self._schedule(warmup_steps, stacklevel=None)

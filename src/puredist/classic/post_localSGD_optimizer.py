@@ -16,13 +16,15 @@ Differences on purpose:
   ``torch.distributed.checkpoint`` on disk keeps one copy of each key (rank 0's).
   ``state_dict()`` therefore records, under a key of its own rank, digests of this
   rank's parameters and of its optimizer state. ``load_state_dict()`` compares the
-  optimizer state's (on every rank, with one small all-reduce) and raises on every
-  rank when some rank would resume from another rank's state; the first ``step()``
-  after it compares the parameters' (the model may be loaded after the optimizer, as
-  with any ``torch.optim`` optimizer) and raises on every rank, before stepping,
-  when some rank resumed from another rank's parameters. Checkpoint such a run per
-  rank (each rank ``torch.save``-s its model and optimizer state dicts to its own
-  file), which resumes bit for bit.
+  optimizer state's, on this rank alone (a load is local, as torch's); the first
+  ``step()`` after it compares the parameters' (the model may be loaded after the
+  optimizer, as with any ``torch.optim`` optimizer), and with one small all-reduce
+  over the averager's group every rank raises, before stepping, when some rank
+  resumed from another rank's parameters or state. A checkpoint that one rank saved
+  and every rank loads (torch's own tests do so) passes where the optimizer keeps no
+  state (SGD without momentum) and the parameters are the saver's. Checkpoint other
+  runs per rank (each rank ``torch.save``-s its model and optimizer state dicts to its
+  own file), which resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -58,39 +60,48 @@ _FOREIGN = (
 
 _DCP_INITIALIZER = ("_init_optim_state", os.path.join("distributed", "checkpoint", "state_dict.py"))
 
+_CALLERS_SEARCHED = 6
+"""How far up from ``step`` the checkpoint's initializer is looked for: the wrappers
+between them (an LR scheduler's, a profiler's) are a frame each."""
+
 
 def _called_by_checkpoint_initialization() -> bool:
     """Whether ``step`` was called by ``torch.distributed.checkpoint`` to fill an empty
-    optimizer state (it steps with lr 0 and zero grads). Decided by the call site,
-    which is the same on every rank, never by rank-local values (that could make
-    ranks disagree about averaging, and hang)."""
+    optimizer state (it steps with lr 0 and zero grads), directly or through wrappers
+    of ``step``. Decided by the call site, which is the same on every rank, never by
+    rank-local values (that could make ranks disagree about averaging, and hang)."""
     frame = sys._getframe(2)  # 0: this function, 1: step, 2: step's caller
-    return frame.f_code.co_name == _DCP_INITIALIZER[0] and frame.f_code.co_filename.endswith(_DCP_INITIALIZER[1])
+    for _ in range(_CALLERS_SEARCHED):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _DCP_INITIALIZER[0] and frame.f_code.co_filename.endswith(_DCP_INITIALIZER[1]):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
     """A digest of the tensors' bytes, in order."""
     digest = hashlib.blake2b(digest_size=16)
     for tensor in tensors:
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def _state_digest(state_dict: dict[str, Any]) -> str:
-    """A digest of the optimizer state's tensors, in parameter order (the ids in
-    ``param_groups``: ints from ``state_dict()``, names through DCP)."""
+def _state_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:
+    """The optimizer state's tensors, in parameter order (the ids in ``param_groups``:
+    ints from ``state_dict()``, names through DCP)."""
     ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     state = state_dict["state"]
-    return _digest([value for pid in ids for _, value in sorted(state.get(pid, {}).items())
-                    if isinstance(value, torch.Tensor)])
+    return [value for pid in ids for _, value in sorted(state.get(pid, {}).items()) if isinstance(value, torch.Tensor)]
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on some rank (every rank calls it: one small all-reduce
-    over the host side of the default group, or its device where it has none)."""
-    group, device = exchange(dist.group.WORLD)
+def _any_rank(flag: bool, group: dist.ProcessGroup) -> bool:
+    """Whether ``flag`` holds on some rank of ``group`` (each of its ranks calls it: one
+    small all-reduce over the group's host side, or its device where it has none)."""
+    over, device = exchange(group)
     value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=over)
     return bool(value.item())
 
 
@@ -120,7 +131,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim = optim
         self.param_groups = self.optim.param_groups
         self.averager = averager
-        self._params_to_check: str | None = None  # set by load_state_dict, compared at the next step
+        self._loaded: tuple[bool, str] | None = None  # set by load_state_dict, checked at the next step
 
     @property
     def state(self):  # type: ignore[override]
@@ -135,7 +146,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         state_dict = self.optim.state_dict()
         state_dict["step"] = self.averager.step
         rank = _rank()
-        digest = f"{_digest(self._params())}:{_state_digest(state_dict)}" if rank is not None else None
+        digest = f"{_digest(self._params())}:{_digest(_state_tensors(state_dict))}" if rank is not None else None
         for group in state_dict["param_groups"]:
             group[AVERAGER_STEP_KEY] = self.averager.step
             if digest is not None:
@@ -145,43 +156,50 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _check_own_state(self, state_dict: dict[str, Any]) -> str | None:
-        """Raise on every rank if some rank is about to load optimizer state that is
-        not its own (see the module docstring); return its saved parameters' digest,
-        for the first step to compare (``None``: no digests, or an older format, on
-        every rank alike: nothing to check)."""
+    def _verdict(self, state_dict: dict[str, Any]) -> tuple[bool, str] | None:
+        """Whether this rank is about to load optimizer state that is not its own (see
+        the module docstring), and the saved parameters' digest for the first step to
+        compare; ``None``: no digests, or an older format, on every rank alike: nothing
+        to check. Local: no collective."""
         rank = _rank()
         digests = {k: v for group in state_dict["param_groups"] for k, v in group.items() if k.startswith(LOCAL_DIGEST_KEY)}
         if rank is None or not digests or not all(":" in v for v in digests.values()):
             return None
-        # a rank holding another rank's file has digests but not its own: it takes part too, and refuses (its
-        # momentum is its own even where the parameters are equal, as right after an averaging)
+        tensors = _state_tensors(state_dict)
         own = digests.get(f"{LOCAL_DIGEST_KEY}.rank{rank}")
+        if own is None and len(digests) == 1 and not tensors:
+            # one rank saved, every rank loads: nothing rank-local in a state without tensors; the
+            # parameters must be the saver's
+            own = next(iter(digests.values()))
+        # a rank holding another rank's file otherwise refuses (its momentum is its own even where the
+        # parameters are equal, as right after an averaging)
         params_digest, _, state_digest = (own or "").partition(":")
-        if _any_rank(own is None or state_digest != _state_digest(state_dict)):
-            raise RuntimeError("PostLocalSGDOptimizer.load_state_dict: " + _FOREIGN.format("nothing was loaded"))
-        return params_digest
+        return own is None or state_digest != _digest(tensors), params_digest
 
-    def _check_own_params(self) -> None:
-        """At the first step after a load: raise on every rank, before stepping, if
-        some rank's parameters are not those it saved with the state it loaded."""
-        saved, self._params_to_check = self._params_to_check, None
-        if _any_rank(saved != _digest(self._params())):
+    def _check_loaded(self) -> None:
+        """At the first step after a load: raise on every rank of the averager's group,
+        before stepping, if some rank loaded optimizer state that is not its own or
+        holds parameters other than those it was saved with (and keep refusing, at
+        every step, until the next load)."""
+        foreign, saved = self._loaded
+        group = getattr(self.averager, "process_group", None) or dist.group.WORLD
+        if _any_rank(foreign or saved != _digest(self._params()), group):
             raise RuntimeError("PostLocalSGDOptimizer.step: " + _FOREIGN.format(
-                "nothing was stepped (the parameters differ from those this optimizer's state was saved with)"))
+                "nothing was stepped (the state loaded last, or the parameters, are not those this rank saved "
+                "them with: load this rank's own checkpoint)"))
+        self._loaded = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the local optimizer's state and restore the averager's step.
 
         Warns (and sets the step to 0), as torch does, when no step is saved.
 
-        Raises:
-            RuntimeError: on every rank, when some rank's saved digest does not match
-                the optimizer state it would resume from (its own state was dropped,
-                e.g. by ``torch.distributed.checkpoint`` on disk); nothing loaded. The
-                parameters are compared at the next :meth:`step`.
+        A load is local. Where ``state_dict`` carries digests (see the module
+        docstring), the next :meth:`step` checks, on every rank of the averager's
+        group, that each rank loaded its own state and holds the parameters saved
+        with it.
         """
-        params_digest = self._check_own_state(state_dict)
+        verdict = self._verdict(state_dict)
         step = _saved_averager_step(state_dict)
         inner = dict(state_dict)
         inner["param_groups"] = [
@@ -197,7 +215,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             )
             step = 0
         self.averager.step = step
-        self._params_to_check = params_digest
+        self._loaded = verdict
 
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
         """One local optimizer step (with ``closure`` if given), then the averager.
@@ -207,12 +225,15 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: on every rank, at the first step after :meth:`load_state_dict`,
-                when some rank's parameters are not those it saved with the state it
-                loaded (see the module docstring); nothing is stepped.
+                when some rank loaded optimizer state that is not its own (its own was
+                dropped, e.g. by ``torch.distributed.checkpoint`` on disk) or holds
+                parameters other than those saved with it (see the module docstring);
+                nothing is stepped. Every rank of the averager's group must load before
+                that step.
         """
         initializing = _called_by_checkpoint_initialization()
-        if self._params_to_check is not None and not initializing:
-            self._check_own_params()
+        if self._loaded is not None and not initializing:
+            self._check_loaded()
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         if not initializing:
             self.averager.average_parameters(params=self.param_groups)
