@@ -404,3 +404,23 @@ def _residuals_at_another_sharding(rank, world_size):
 def test_compressed_residuals_saved_at_another_sharding_are_refused():
     run_workers(_residuals_at_another_sharding, 2)
 
+
+def _owner_refuses_the_gradients(rank, world_size, bad):
+    import time
+
+    # one parameter, owned by rank 0; every rank passes the same bad gradient
+    zero = puredist.zero(puredist.adam(lr=0.1))
+    params = [torch.ones(3)]
+    state = zero.init(params, plan=puredist.plan_zero([3], world_size), rank=rank)
+    grad = torch.ones(4) if bad == "shape" else torch.ones(3).to_sparse()
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"A ZeRO step was refused \(rank 0: .*gradient 0"):
+        zero.update_(params, [grad], state, collective=puredist.DistributedCollective())
+    assert torch.equal(params[0], torch.ones(3))
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("bad", ["shape", "sparse"])
+def test_a_rank_that_owns_nothing_raises_the_owners_refusal_of_its_gradients_at_once(bad):
+    for seconds in run_workers(_owner_refuses_the_gradients, 2, bad, gloo_timeout=20, timeout=40):
+        assert seconds < 10

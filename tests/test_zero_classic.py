@@ -385,3 +385,29 @@ def _mixed_dtypes_and_bucket_view(rank, world_size):
 
 def test_parameters_of_several_dtypes_step_and_the_bucket_view_changes_nothing():
     assert run_workers(_mixed_dtypes_and_bucket_view, 2) == [True, True]
+
+
+def _bad_additions_and_targets(rank, world_size):
+    dense = torch.nn.Parameter(torch.ones(4))
+    zero = ZeroRedundancyOptimizer([dense], torch.optim.SGD, lr=0.1)
+    groups = len(zero.param_groups)
+    sparse = torch.nn.Parameter(torch.ones(5).to_sparse())
+    with pytest.raises(ValueError, match=r"Arg ``param_group``: .*dense.*sparse_coo at parameter 1"):
+        zero.add_param_group({"params": [sparse]})
+    assert len(zero.param_groups) == groups  # nothing added: the next step runs as before
+    dense.grad = torch.ones(4)
+    zero.step()
+    for to in (world_size, -1):  # refused before any collective, on every rank
+        with pytest.raises(ValueError, match=rf"Arg ``to`` must be a rank of the group, in \[0, 2\), got {to}"):
+            zero.consolidate_state_dict(to=to)
+    zero.consolidate_state_dict(to=0)
+    overlapped = ZeroRedundancyOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1,
+                                         overlap_with_ddp=True)
+    with pytest.raises(RuntimeError, match="only supports a single parameter group"):  # torch's type
+        overlapped.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    return dense.detach().clone()
+
+
+def test_add_param_group_and_consolidate_state_dict_refuse_bad_input_before_anything_changes():
+    first, second = run_workers(_bad_additions_and_targets, 2)
+    assert torch.equal(first, second) and torch.equal(first, torch.full((4,), 0.9))

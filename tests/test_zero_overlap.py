@@ -147,3 +147,62 @@ def _frozen_parameter(rank, world_size):
 def test_a_frozen_parameter_given_to_zero_is_left_alone_as_in_torch():
     # ZeroRedundancyOptimizer(model.parameters(), ...): torch's overlap skips the parameters that need no grad
     assert run_workers(_frozen_parameter, 2, timeout=120) == [[True] * 4] * 2
+
+
+class _SomeRanksOnly(nn.Module):
+    """``b`` is used on rank 1 only, at every iteration (a static graph per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, rank):
+        return self.a(x) + self.b(x) if rank == 1 else self.a(x)
+
+
+def _used_on_some_ranks_only(rank, world_size):
+    gaps = {}
+    for (hook_name, hook), bucket_view in itertools.product(HOOKS.items(), [False, True]):
+        nets = [DDP(_SomeRanksOnly(), static_graph=True, gradient_as_bucket_view=bucket_view, bucket_cap_mb=1e-4)
+                for _ in range(2)]
+        reference, model = nets
+        reference_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.1)
+        model.register_comm_hook(None, hook(allreduce_hook, model, zero))
+        for step in range(4):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+            reference(x, rank).sum().backward()
+            reference_opt.step()
+            reference_opt.zero_grad()
+            model(x, rank).sum().backward()
+            zero.zero_grad()
+        gaps[(hook_name, bucket_view)] = max((p - q).abs().max().item()
+                                             for p, q in zip(model.parameters(), reference.parameters()))
+    return gaps
+
+
+def test_a_parameter_used_on_some_ranks_only_is_stepped_as_by_ddp_with_the_plain_optimizer():
+    # with static_graph DDP gives a locally unused parameter its averaged gradient after the hooks ran
+    for gaps in run_workers(_used_on_some_ranks_only, 2, timeout=120):
+        assert all(gap <= 1e-6 for gap in gaps.values()), gaps
+
+
+def _ignored_by_ddp(rank, world_size):
+    net = make_net()
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ["0.bias"])
+    model = ddp(net, False, False)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
+    with pytest.raises(ValueError, match=r"parameters DDP ignores \(0\.bias\)"):
+        hook_with_zero_step(allreduce_hook, model, zero)
+    # without it, the rest trains as with the plain optimizer
+    rest = [p for name, p in model.module.named_parameters() if name != "0.bias"]
+    zero = ZeroRedundancyOptimizer(rest, torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    before = [p.detach().clone() for p in rest]
+    loss_of(model, rank, 0).backward()
+    return all(not torch.equal(a, b) for a, b in zip(before, rest))
+
+
+def test_parameters_ddp_ignores_are_refused_by_the_hooks():
+    assert run_workers(_ignored_by_ddp, 2) == [True, True]

@@ -147,11 +147,14 @@ class Optimizer(NamedTuple):
         config: what it is, its kind and every hyper-parameter (a schedule shown as
             ``<schedule>``), e.g. ``"sgd(lr=0.7, momentum=0.9, ...)"``: what the outer
             optimizer's rank check and checkpoints compare; ``""`` for one built by hand.
-        check: ``check(states)`` raises ``ValueError`` where a step of parameters with
-            these per-parameter states would (a schedule's value at their counts out of
-            range), stepping nothing: what ZeRO runs on every rank before its rank check,
-            so that a rank owning nothing learns an owner's refusal instead of waiting
-            for its broadcast. ``None``: nothing to check (one built by hand).
+        check: ``check(states, params=None, grads=None)`` raises ``ValueError`` where
+            a step of parameters with these per-parameter states would (a schedule's
+            value at their counts out of range; given the parameters and their
+            gradients, aligned with ``states``, also a state or a gradient of another
+            shape, or a sparse gradient an optimizer takes none of), stepping nothing:
+            what ZeRO runs on every rank before its rank check, so that a rank owning
+            nothing learns an owner's refusal instead of waiting for its broadcast.
+            ``None``: nothing to check (one built by hand).
         elementwise: each element's step depends on that element's parameter,
             gradient and state only (no norm, no per-tensor statistic), so that a step
             of tensors laid end to end in one buffer equals the step of each: what
@@ -560,7 +563,14 @@ def _make_optimizer(
         new = copies(leaves, recorded=True)  # the update is differentiable
         return tree_unflatten(spec, new), tree_unflatten(spec, stepped(new, grad_leaves, cloned, True))
 
-    return Optimizer(init, update, update_, config, check_states, elementwise=True)  # SGD, Adam, AdamW
+    def check(states: Sequence[NamedTuple], params: Sequence[torch.Tensor] | None = None,
+              grads: Sequence[torch.Tensor] | None = None) -> None:
+        if params is not None:
+            _check_shapes(params, states)
+            _check_grads(params, grads, kind, takes_sparse)
+        check_states(states)
+
+    return Optimizer(init, update, update_, config, check, elementwise=True)  # SGD, Adam, AdamW
 
 
 def sgd(

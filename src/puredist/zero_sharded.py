@@ -156,14 +156,17 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
     return ZeroState(step=0, plan=plan, owned=owned)
 
 
-def _refusal(optimizer: Optimizer, grad_leaves, state: ZeroState, rank: int) -> str:
+def _refusal(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, rank: int) -> str:
     """Why ``optimizer`` would refuse to step this rank's parameters with gradients
-    (its :attr:`~puredist.Optimizer.check`), or ``""``."""
+    (its :attr:`~puredist.Optimizer.check`: a schedule's value, a gradient's shape or
+    sparsity), or ``""``."""
     if optimizer.check is None:
         return ""
     owned = state.plan.owned_by(rank)
+    active = [k for k, i in enumerate(owned) if grad_leaves[i] is not None]
     try:
-        optimizer.check([state.owned[k] for k, i in enumerate(owned) if grad_leaves[i] is not None])
+        optimizer.check([state.owned[k] for k in active], [leaves[owned[k]] for k in active],
+                        [grad_leaves[owned[k]] for k in active])
     except ValueError as error:  # the refusal itself (the rare path), to be shared with every rank
         return str(error)
     return ""
@@ -247,7 +250,7 @@ def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective
     if isinstance(collective, DistributedCollective):
         # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
         # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
-        refusal = _refusal(optimizer, grad_leaves, state, collective.rank)
+        refusal = _refusal(optimizer, leaves, grad_leaves, state, collective.rank)
         context = with_refusal(f"plan {state.plan.digest()} step {state.step}", refusal)
         try:
             collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")

@@ -17,8 +17,12 @@ runs during DDP's backward. Differences on purpose:
 - ``find_unused_parameters=True`` is refused at construction: DDP then leaves the
   ``.grad`` of unused parameters untouched while their bucket slots hold zeros, and
   a step on those zeros would still move them (momentum, weight decay). With
-  ``static_graph=True``, a parameter that has no ``.grad`` when its bucket is ready
-  is not stepped, as the plain optimizer would not step it.
+  ``static_graph=True`` a parameter unused on this rank but used on another gets its
+  (averaged) ``.grad`` from DDP only at DDP's own end of the backward, after every
+  hook ran: the step then runs after it, from the ``.grad`` DDP set, so that exactly
+  the parameters the plain optimizer would step are stepped (no interleaving).
+- Parameters DDP ignores (``_set_params_and_buffers_to_ignore_for_model``) are
+  refused at construction: their gradients never reach the hook.
 - ``Join`` is refused with the overlap (DDP's join hook calls the communication hook
   outside any backward pass); the non-overlapped optimizer supports it.
 
@@ -61,9 +65,10 @@ def _slot_strides(param: torch.Tensor) -> tuple[int, ...]:
 class _OverlappedIteration:
     """The buckets of one backward: their all-reduce futures, steps and broadcasts."""
 
-    def __init__(self, zero: ZeroRedundancyOptimizer, interleaved: bool) -> None:
+    def __init__(self, zero: ZeroRedundancyOptimizer, interleaved: bool, after_ddp: bool) -> None:
         self._zero = zero
         self._interleaved = interleaved
+        self._after_ddp = after_ddp
         self._launched: deque[tuple[torch.futures.Future, list[int], list[bool]]] = deque()
         self._broadcasts: list[CollectiveHandle] = []
         self._stepped: list[int] = []  # the parameters of the buckets stepped so far
@@ -78,7 +83,7 @@ class _OverlappedIteration:
         # static_graph) is not stepped, though its bucket slot holds zeros
         params = self._zero._all_params
         self._launched.append((future, indices, [params[i].grad is not None for i in indices]))
-        while self._interleaved and len(self._launched) > 1:
+        while self._interleaved and not self._after_ddp and len(self._launched) > 1:
             self._step(*self._launched.popleft())
 
     def _step(self, future: torch.futures.Future, indices: list[int], has_grad: list[bool]) -> None:
@@ -94,11 +99,28 @@ class _OverlappedIteration:
         self._stepped.extend(indices)
 
     def _finish(self) -> None:
+        """At the end of the backward: step the buckets left (with a static graph,
+        after DDP's own end of backward, queued after this callback)."""
+        self._finish_queued = False
+        if self._after_ddp:
+            torch.autograd.Variable._execution_engine.queue_callback(self._step_with_ddps_grads)
+            return
         while self._launched:
             self._step(*self._launched.popleft())
+        self._end()
+
+    def _step_with_ddps_grads(self) -> None:
+        """Step every bucket's parameters with the ``.grad`` DDP left them, as the plain
+        optimizer would, and broadcast them."""
+        indices = [i for _, bucket, _ in self._launched for i in bucket]
+        self._launched.clear()
+        self._broadcasts.append(self._zero._step_([p.grad for p in self._zero._all_params], indices))
+        self._stepped.extend(indices)
+        self._end()
+
+    def _end(self) -> None:
         handle, stepped = CollectiveHandle.merged(self._broadcasts), self._stepped  # received: all or nothing
         self._broadcasts, self._stepped = [], []
-        self._finish_queued = False
         zero = self._zero
         wait_for_owners(handle, zero._all_params, stepped, zero._plan, zero._rank, "A ZeRO step overlapped with DDP")
         zero._end_iteration()
@@ -115,7 +137,14 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
         )
     params = zero._all_params
     index_of = {id(p): i for i, p in enumerate(params)}
-    ddp_params = [p for p in ddp.module.parameters() if p.requires_grad]
+    ignored = [name for name, p in ddp.module.named_parameters() if name in ddp.parameters_to_ignore
+               and p.requires_grad and id(p) in index_of]
+    if ignored:
+        raise ValueError(
+            f"Arg ``zero`` optimizes parameters DDP ignores ({', '.join(ignored)}): their gradients never reach "
+            "the hook, so they would never be stepped. Optimize them with an optimizer of their own."
+        )
+    ddp_params = [p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ddp.parameters_to_ignore]
     trained = sorted(index_of.get(id(p), -1) for p in ddp_params)
     frozen = set(range(len(params))) - set(trained)  # never in DDP's buckets, never stepped (as in torch)
     if trained[:1] == [-1] or len(set(trained)) != len(trained) or any(params[i].requires_grad for i in frozen):
@@ -135,7 +164,7 @@ def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOpti
             buckets=buckets,
         )
     )
-    iteration = _OverlappedIteration(zero, interleaved)
+    iteration = _OverlappedIteration(zero, interleaved, after_ddp=bool(getattr(ddp, "static_graph", False)))
 
     def hook_with_zero_fn(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(state, bucket)
@@ -169,7 +198,8 @@ def hook_with_zero_step(
 
     Raises:
         ValueError: ``zero`` not built with ``overlap_with_ddp=True``;
-            ``find_unused_parameters=True``; parameters differ from ``ddp``'s.
+            ``find_unused_parameters=True``; parameters differ from ``ddp``'s (or
+            include some DDP ignores).
         RuntimeError: ``zero`` already stepped or loaded state.
     """
     return _hook_with_zero(hook, ddp, zero, shard_buckets, interleaved=False)

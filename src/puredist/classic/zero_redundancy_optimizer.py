@@ -111,6 +111,20 @@ def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[s
         target_group.update(_hyper_parameters(source_group))
 
 
+def _check_dense_on_one_device(params: Sequence[torch.Tensor], arg: str) -> None:
+    """Raise ``ValueError`` naming ``arg`` unless every parameter is dense and all
+    live on one device (what the staged broadcasts take)."""
+    sparse = [i for i, p in enumerate(params) if p.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"Arg ``{arg}``: ZeroRedundancyOptimizer only supports dense (strided) parameters, "
+            f"got {params[sparse[0]].layout} at parameter {sparse[0]}."
+        )
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"Arg ``{arg}``: parameters must live on one device, got parameters on {sorted(map(str, devices))}.")
+
+
 @contextmanager
 def _gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Iterator[None]:
     """Give ``params`` the ``.grad`` ``grads`` for the duration; restore the old ones."""
@@ -194,15 +208,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         if overlap_with_ddp and len(self.param_groups) > 1:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
-        sparse = [i for i, p in enumerate(self._all_params) if p.layout != torch.strided]
-        if sparse:
-            raise ValueError(
-                f"Arg ``params``: ZeroRedundancyOptimizer only supports dense (strided) parameters, "
-                f"got {self._all_params[sparse[0]].layout} at parameter {sparse[0]}."
-            )
-        devices = {p.device for p in self._all_params}
-        if len(devices) > 1:
-            raise ValueError(f"Arg ``params`` must live on one device, got parameters on {sorted(map(str, devices))}.")
+        _check_dense_on_one_device(self._all_params, "params")
         self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
 
     # -- ownership ----------------------------------------------------------------
@@ -259,11 +265,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _step_(self, grads: Sequence[torch.Tensor | None], indices: Iterable[int]) -> CollectiveHandle:
         """Step the owned parameters among ``indices`` with ``grads`` (aligned with
-        all parameters) and start the owners' broadcasts of all of ``indices``."""
-        params, indices = self._all_params, list(indices)
-        owned, chosen = self._plan.owned_by(self._rank), set(indices)
-        with _gradients([params[i] for i in owned], [grads[i] if i in chosen else None for i in owned]):
-            self._local_step()
+        all parameters) and start the owners' broadcasts of all of ``indices``. The
+        overlap's one param group holds only those parameters for the step, so that
+        a bucket's step costs its own parameters, not all this rank owns (every
+        optimizer the overlap takes steps each parameter alone)."""
+        params, owners, indices = self._all_params, self._plan.owners, list(indices)
+        rank = self._rank
+        mine = [i for i in sorted(indices) if owners[i] == rank]  # (no generator: no Python call per parameter)
+        if not mine:
+            return broadcast_from_owners_(params, indices, self._plan, self._collective)
+        group = self.optim.param_groups[0]
+        everything, group["params"] = group["params"], [params[i] for i in mine]
+        try:
+            with _gradients(group["params"], [grads[i] for i in mine]):
+                self._local_step()
+        finally:
+            group["params"] = everything
         return broadcast_from_owners_(params, indices, self._plan, self._collective)
 
     def _end_iteration(self) -> None:
@@ -275,11 +292,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """Add a param group; its parameters are planned around the current loads
         (existing ownership and state stay), and the local optimizer gains the
         group with the ones this rank owns."""
-        if self.optim is not None and self._overlap_with_ddp:
-            raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
+        if self.optim is not None and self._overlap_with_ddp:  # (torch's type)
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
         super().add_param_group(param_group)
         if self.optim is None:
             return  # still in __init__: the plan comes once every group is in
+        try:  # as the parameters given when built (before any rank steps a parameter it cannot broadcast)
+            _check_dense_on_one_device(self._all_params, "param_group")
+        except ValueError:
+            self.param_groups.pop()
+            raise
         plan, sizes = self._plan, [p.numel() for p in self._all_params]
         old = len(plan.owners)
         extension = plan_zero(sizes[old:], plan.world_size, start_loads=plan.loads(sizes[:old]))
@@ -362,6 +384,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise
 
     def _consolidate(self, to: int) -> None:
+        if not (isinstance(to, int) and 0 <= to < self._collective.world_size):
+            raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {self._collective.world_size}), got {to!r}.")
         params = self._all_params
         # ranks at other steps (or one stepping while another consolidates) would gather states of different sizes
         self._collective.check_same_on_all_ranks(
