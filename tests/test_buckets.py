@@ -98,3 +98,24 @@ def test_the_default_staging_cap_is_per_device_larger_off_the_host():
     assert StagingPool().capacity(torch.device("cpu")) == 32 * mib
     assert StagingPool().capacity(torch.device("meta")) == 256 * mib
     assert StagingPool(4096).capacity(torch.device("meta")) == 4096
+
+
+def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
+    """An asynchronous run's buffers are kept for the next one up to the cap of their
+    own device: the host's 32 MiB are not used up by a GPU's (meta stands for one)."""
+    from puredist._staged import StagingPool, run_staged
+
+    class Done:
+        def wait(self):
+            return True
+
+    mib = 2**20
+    pool = StagingPool()
+    tensors = [torch.zeros(100 * mib // 4, device="meta"), torch.zeros(mib // 4)]  # 100 MiB on "GPU", then 1 on the host
+    seen = []
+    for _ in range(2):
+        run_staged(tensors, None, lambda buffer: seen.append(buffer.data_ptr()) or Done(), what="test",
+                   async_op=True, pack=True, pool=pool).wait()
+    host = [ptr for ptr in seen if ptr != 0]  # (meta tensors have no data)
+    assert len(host) == 2 and host[0] == host[1]  # the host's spare was kept and reused
+    assert pool._spare_bytes == {torch.device("cpu"): mib, torch.device("meta"): 100 * mib}

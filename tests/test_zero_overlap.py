@@ -206,3 +206,21 @@ def _ignored_by_ddp(rank, world_size):
 
 def test_parameters_ddp_ignores_are_refused_by_the_hooks():
     assert run_workers(_ignored_by_ddp, 2) == [True, True]
+
+
+def _hook_registered_again_after_training(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)  # one parameter: rank 1 owns nothing
+    first = DDP(model)
+    zero = ZeroRedundancyOptimizer(first.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    first.register_comm_hook(None, hook_with_zero_step(allreduce_hook, first, zero))
+    for _ in range(2):
+        first(torch.randn(2, 4)).sum().backward()
+    assert zero.plan.owned_by(rank) == ((0,) if rank == 0 else ())
+    with pytest.raises(RuntimeError, match="plan can only change before the first step"):  # on every rank
+        hook_with_zero_step(allreduce_hook, DDP(model), zero)
+    return True
+
+
+def test_a_trained_zero_refuses_a_new_plan_on_every_rank_also_one_owning_nothing():
+    assert run_workers(_hook_registered_again_after_training, 2, timeout=60, gloo_timeout=20) == [True, True]

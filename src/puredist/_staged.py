@@ -343,7 +343,7 @@ class StagingPool:
         self._memory: dict[torch.device, torch.Tensor] = {}
         self._head: dict[torch.device, int] = {}
         self._spare: dict[tuple[torch.device, int], list[_Spare]] = {}
-        self._spare_bytes = 0
+        self._spare_bytes: dict[torch.device, int] = {}  # per device, each within its capacity
         self._views: dict[tuple[int, int], tuple[BucketSpec, torch.Tensor, list[torch.Tensor]]] = {}
         self._last_stream: dict[torch.device, object] = {}  # a GPU's stream that last used its blocking buffer
 
@@ -355,7 +355,7 @@ class StagingPool:
         nbytes = spec.bucket.nbytes
         spares = self._spare.get((spec.device, nbytes))
         if spares:
-            self._spare_bytes -= nbytes
+            self._spare_bytes[spec.device] -= nbytes
             spare = spares.pop()
             _after(spare.stream)
         else:
@@ -371,9 +371,11 @@ class StagingPool:
         asynchronous run, while the spares stay within ``capacity`` bytes."""
         nbytes = spare.memory.numel()
         spare.stream = _stream_of(spare.memory.device)  # its write-back's
-        if self._spare_bytes + nbytes <= self.capacity(spare.memory.device):
-            self._spare.setdefault((spare.memory.device, nbytes), []).append(spare)
-            self._spare_bytes += nbytes
+        device = spare.memory.device
+        kept = self._spare_bytes.get(device, 0)
+        if kept + nbytes <= self.capacity(device):
+            self._spare.setdefault((device, nbytes), []).append(spare)
+            self._spare_bytes[device] = kept + nbytes
 
     def reserve(self, nbytes: int, device: torch.device) -> int:
         """Make the buffer on ``device`` hold ``min(nbytes, capacity)`` bytes; return its size."""

@@ -269,6 +269,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         overlap's one param group holds only those parameters for the step, so that
         a bucket's step costs its own parameters, not all this rank owns (every
         optimizer the overlap takes steps each parameter alone)."""
+        self._pristine = False  # on every rank, also one owning none of these (the plan is fixed from now)
         params, owners, indices = self._all_params, self._plan.owners, list(indices)
         rank = self._rank
         mine = [i for i in sorted(indices) if owners[i] == rank]  # (no generator: no Python call per parameter)
