@@ -113,7 +113,9 @@ def _staging_reused_from_another_stream(rank, world_size):
     stream. Oracle: each run's tensor keeps its own values (the sum of one rank)."""
     from puredist._staged import StagingPool, run_staged
 
-    comm = torch.cuda.Stream()
+    comm, side = torch.cuda.Stream(), torch.cuda.Stream()  # made first: the first Stream() builds torch's
+    # pool of streams, which takes the host long enough for a held-back collective to end meanwhile
+    torch.cuda._sleep(1)
 
     class Work:
         def wait(self):
@@ -135,7 +137,7 @@ def _staging_reused_from_another_stream(rank, world_size):
         handle = run_staged([first], None, launch(True), what="first", async_op=async_op, pack=True, pool=pool)
         if handle is not None:
             handle.wait()  # its buffer goes back to the pool; the host does not wait for the GPU
-        with torch.cuda.stream(torch.cuda.Stream()):
+        with torch.cuda.stream(side):
             handle = run_staged([second], None, launch(False), what="second", async_op=async_op, pack=True, pool=pool)
             if handle is not None:
                 handle.wait()
@@ -291,8 +293,10 @@ def _a_peer_dies_during_a_gpu_averaging(rank, world_size):
     tensors = [values(rank, i).to(DEVICE) for i in range(TENSORS)]
     if rank == 1:  # (killed a few ms into a bucket, it would be too late here: the GPU's buckets are that fast)
         fault_at_collective(2, how="die", when="before")
+    # the host's cap: buckets of 16 MiB, several (a GPU's default would send these 64 MiB in one)
+    collective = puredist.DistributedCollective(bucket_cap_bytes=puredist.DEFAULT_BUCKET_CAP_BYTES)
     try:
-        puredist.average_(tensors, collective=puredist.DistributedCollective())
+        puredist.average_(tensors, collective=collective)
     except puredist.CollectiveError as error:
         completed = assert_old_or_mean_as_reported([t.cpu() for t in tensors], error, rank, range(world_size))
         assert sum(completed) < TENSORS * NUMEL

@@ -565,6 +565,9 @@ def _make_optimizer(
 
     def check(states: Sequence[NamedTuple], params: Sequence[torch.Tensor] | None = None,
               grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Raise ``ValueError``, stepping nothing, where a step of parameters with these
+        per-parameter states (and, given, these parameters and gradients) would
+        (see :attr:`Optimizer.check`)."""
         if params is not None:
             _check_shapes(params, states)
             _check_grads(params, grads, kind, takes_sparse)
