@@ -24,7 +24,6 @@ from torch.distributed.algorithms.model_averaging import utils as torch_utils
 
 import puredist
 from puredist._inputs import checked
-from puredist._staged import default_bucket_cap_bytes
 from _measure import (
     add_device_arguments, device_name, init_distributed, interleaved_medians, mib, peak_extra_bytes,
     peak_extra_device_bytes, return_large_blocks_to_the_os,
@@ -62,7 +61,7 @@ def averaging_methods(kind: str, layers: int, width: int, device: torch.device) 
     if dist.get_world_size() == 1:  # what mean_ runs at several ranks: the checks (per layout), the rank check, the buckets
         methods["puredist body (1 rank)"] = lambda: collective._average_over(
             collective.process_group, checked(params), async_op=False, context="")
-    return methods, params, default_bucket_cap_bytes(device)
+    return methods, params, collective._pool.capacity(device)
 
 
 def peak_memory_of(methods: dict, device: torch.device) -> dict[str, int]:

@@ -76,10 +76,11 @@ def test_large_contiguous_tensors_never_share_a_bucket_when_asked(tensors, bucke
             assert {p.index for p in bucket.pieces} == {large[0]}
 
 
-def test_the_default_staging_cap_is_per_device_larger_off_the_host():
-    """Without a cap, host tensors are staged in buckets of half of 32 MiB, an
-    accelerator's in buckets of half of 256 MiB (the meta device stands for a GPU here:
-    it has no data). Brute force: the bucket sizes a run launches, per device."""
+def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
+    """Without a cap, the tensors a group reduces over NCCL are staged in buckets of
+    half of 256 MiB, all others (host tensors, a GPU's over Gloo) in buckets of half of
+    32 MiB (the meta device stands for a GPU here: it has no data). Brute force: the
+    bucket sizes a run launches, per device."""
     from puredist._staged import StagingPool, run_staged
 
     class Done:
@@ -87,17 +88,19 @@ def test_the_default_staging_cap_is_per_device_larger_off_the_host():
             return True
 
     mib = 2**20
+    backends = {"cpu": "gloo", "meta": "nccl"}  # as "cpu:gloo,cuda:nccl"
     launched = {}
-    for device in ("cpu", "meta"):
-        tensors = [torch.zeros(10 * mib, device=device), torch.zeros(5 * mib, device=device)]  # 60 MiB of fp32
+    for device, pool in (("cpu", StagingPool(backends=backends)), ("meta", StagingPool(backends=backends)),
+                         ("meta over gloo", StagingPool(backends={"meta": "gloo"}))):
+        tensors = [torch.zeros(10 * mib, device=device[:4]), torch.zeros(5 * mib, device=device[:4])]  # 60 MiB of fp32
         sizes = launched[device] = []
         run_staged(tensors, None, lambda buffer: sizes.append(buffer.numel() * 4) or Done(),
-                   what="test", async_op=False, pack=True, pool=StagingPool())
-    assert launched["cpu"] == [16 * mib] * 3 + [12 * mib]
+                   what="test", async_op=False, pack=True, pool=pool)
+    assert launched["cpu"] == launched["meta over gloo"] == [16 * mib] * 3 + [12 * mib]
     assert launched["meta"] == [60 * mib]
-    assert StagingPool().capacity(torch.device("cpu")) == 32 * mib
-    assert StagingPool().capacity(torch.device("meta")) == 256 * mib
-    assert StagingPool(4096).capacity(torch.device("meta")) == 4096
+    assert StagingPool(backends=backends).capacity(torch.device("cpu")) == 32 * mib
+    assert StagingPool(backends=backends).capacity(torch.device("meta")) == 256 * mib
+    assert StagingPool(4096, backends=backends).capacity(torch.device("meta")) == 4096
 
 
 def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
@@ -110,7 +113,7 @@ def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
             return True
 
     mib = 2**20
-    pool = StagingPool()
+    pool = StagingPool(backends={"cpu": "gloo", "meta": "nccl"})
     tensors = [torch.zeros(100 * mib // 4, device="meta"), torch.zeros(mib // 4)]  # 100 MiB on "GPU", then 1 on the host
     seen = []
     for _ in range(2):

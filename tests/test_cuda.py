@@ -132,7 +132,7 @@ def _staging_reused_from_another_stream(rank, world_size):
         return start
 
     for async_op in (False, True):
-        pool = StagingPool()
+        pool = StagingPool(backends={"cuda": "nccl"})
         first, second = torch.full((2**20,), 1.0, device="cuda"), torch.full((2**20,), 2.0, device="cuda")
         handle = run_staged([first], None, launch(True), what="first", async_op=async_op, pack=True, pool=pool)
         if handle is not None:

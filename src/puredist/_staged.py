@@ -10,7 +10,8 @@ result: every element holds its value from before the call or its result, and
 :class:`CollectiveError` says which.
 
 Blocking runs (:func:`run_staged` without ``async_op``) reuse one staging pool of at
-most ``bucket_cap_bytes`` per device (by default :func:`default_bucket_cap_bytes`), writing each bucket back as soon as it is done
+most ``bucket_cap_bytes`` per device (by default the pool's, :func:`default_bucket_cap_bytes`), writing
+each bucket back as soon as it is done
 (the copy into bucket ``k + 1`` overlaps the collective of bucket ``k``). Asynchronous
 runs stage every bucket at once and write back only when :meth:`CollectiveHandle.wait`
 has seen *every* collective succeed: all or nothing.
@@ -22,7 +23,7 @@ This module must not check its inputs or talk to other ranks except through the
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -43,17 +44,18 @@ HOST_BUCKET_CAP_BYTES = 32 * 2**20
 """The default staging memory for host tensors: 32 MiB."""
 
 DEVICE_BUCKET_CAP_BYTES = 256 * 2**20
-"""The default staging memory for an accelerator's tensors: 256 MiB. There each
+"""The default staging memory for tensors that go over NCCL: 256 MiB. There each
 collective's launch costs tens of microseconds of host time (about 60 us per NCCL
 all-reduce measured with torch 2.11 on an H100, where a copy moves 3 TB/s), so a
 few large buckets keep the host ahead of the device: 30M fp32 parameters travel in one
-bucket, 137M in five."""
+bucket, 137M in five. (Gloo moves a GPU's tensors through host copies: smaller buckets
+let the copies of one overlap the reduction of another.)"""
 
 
-def default_bucket_cap_bytes(device: torch.device) -> int:
-    """The staging memory for ``device``'s tensors when none is given:
-    :data:`HOST_BUCKET_CAP_BYTES` on the CPU, :data:`DEVICE_BUCKET_CAP_BYTES` elsewhere."""
-    return HOST_BUCKET_CAP_BYTES if device.type == "cpu" else DEVICE_BUCKET_CAP_BYTES
+def default_bucket_cap_bytes(backend: str | None) -> int:
+    """The staging memory for the tensors that ``backend`` reduces when none is given:
+    :data:`DEVICE_BUCKET_CAP_BYTES` for NCCL, :data:`HOST_BUCKET_CAP_BYTES` otherwise."""
+    return DEVICE_BUCKET_CAP_BYTES if backend == "nccl" else HOST_BUCKET_CAP_BYTES
 
 
 def no_scaling(buffer: torch.Tensor) -> tuple[None, None]:
@@ -322,8 +324,9 @@ class CollectiveHandle:
 class StagingPool:
     """Staging memory kept between runs (allocating it anew for every call would fault
     its pages in every time). Blocking runs share one buffer per device of at most
-    ``capacity`` bytes (``None``: :func:`default_bucket_cap_bytes` of the device), grown
-    to what a call needs, handed out in issue order as a ring (buckets finish in issue
+    ``capacity`` bytes (``None``: :func:`default_bucket_cap_bytes` of the backend that
+    reduces the device's tensors, from ``backends``: ``{device type: backend name}``),
+    grown to what a call needs, handed out in issue order as a ring (buckets finish in issue
     order). Asynchronous runs :meth:`take` buffers of their own (:meth:`take`), given
     back once written back; up to ``capacity`` bytes of those are kept as spares. One
     pool serves one thread.
@@ -338,8 +341,10 @@ class StagingPool:
     used it makes the new stream wait for the old one first.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, *, backends: Mapping[str, str] | None = None) -> None:
         self._capacity = capacity
+        self._backends = dict(backends or {})
+        self.policy = (capacity, tuple(sorted(self._backends.items())))  # what decides the caps: a plan's key
         self._memory: dict[torch.device, torch.Tensor] = {}
         self._head: dict[torch.device, int] = {}
         self._spare: dict[tuple[torch.device, int], list[_Spare]] = {}
@@ -364,7 +369,9 @@ class StagingPool:
 
     def capacity(self, device: torch.device) -> int:
         """The most staging memory kept on ``device``, in bytes."""
-        return _aligned(self._capacity if self._capacity is not None else default_bucket_cap_bytes(device))
+        if self._capacity is not None:
+            return _aligned(self._capacity)
+        return _aligned(default_bucket_cap_bytes(self._backends.get(device.type)))
 
     def _give_back(self, spare: "_Spare") -> None:
         """Keep a buffer from :meth:`take` whose collective succeeded, for the next
@@ -489,7 +496,7 @@ def run_staged(
     Args:
         tensors: checked tensors (dense, real, disjoint), the same layouts on every rank.
         bucket_cap_bytes: the staging memory of a blocking run, per device (``None``:
-            :func:`default_bucket_cap_bytes` of each).
+            the pool's capacity for each).
         launch: starts one bucket's asynchronous collective.
         layout: their :class:`~puredist._layout.Layout`, which keeps the plan (``None``:
             looked up).
@@ -509,11 +516,12 @@ def run_staged(
             elements hold the result.
     """
     def bucket_bytes(device: torch.device) -> int:
-        return max(1, (bucket_cap_bytes if bucket_cap_bytes is not None else default_bucket_cap_bytes(device)) // 2)
+        return max(1, (bucket_cap_bytes if bucket_cap_bytes is not None else pool.capacity(device)) // 2)
 
+    caps = bucket_cap_bytes if bucket_cap_bytes is not None else pool.policy
     layout = layout if layout is not None else layout_of(tensors)
     specs = layout.derived(
-        ("buckets", bucket_cap_bytes, alone_from),
+        ("buckets", caps, alone_from),
         lambda: bucket_specs(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from)),
     )
     progress = _Progress(specs, lambda: [t.numel() for t in tensors], what)
@@ -527,7 +535,7 @@ def run_staged(
             except Exception as cause:  # noqa: BLE001 - nothing was written: say so
                 raise progress.error(spec.position, cause) from cause
         return CollectiveHandle(launched)
-    needed = layout.derived(("staging bytes", bucket_cap_bytes, alone_from), lambda: _staging_bytes(specs))
+    needed = layout.derived(("staging bytes", caps, alone_from), lambda: _staging_bytes(specs))
     room = {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()}
     pending: deque[tuple[_Bucket, tuple[torch.device, int, int]]] = deque()
 

@@ -46,7 +46,7 @@ from puredist._consistency import (
 )
 from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
-from puredist._host_groups import averages_natively, exchange, make_twins
+from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction
 from puredist._staged import (
     DEVICE_BUCKET_CAP_BYTES,
@@ -82,8 +82,8 @@ DEFAULT_BUCKET_CAP_BYTES = HOST_BUCKET_CAP_BYTES
 """Staging memory one averaging of host tensors may use beyond the parameters: 32 MiB."""
 
 DEFAULT_DEVICE_BUCKET_CAP_BYTES = DEVICE_BUCKET_CAP_BYTES
-"""The same for an accelerator's tensors: 256 MiB (a collective's launch costs tens of
-microseconds of host time there: fewer, larger buckets)."""
+"""The same for tensors that go over NCCL: 256 MiB (a collective's launch costs tens
+of microseconds of host time there: fewer, larger buckets)."""
 
 
 class Collective(Protocol):
@@ -203,10 +203,11 @@ class DistributedCollective:
             parameters, per device, kept between calls (allocated at the first, as
             large as that call needs, up to the cap). Tensors are packed into buckets
             of half of it, so that the copy into one bucket overlaps the all-reduce of
-            the previous one. ``None``: :data:`DEFAULT_BUCKET_CAP_BYTES` (32 MiB) for
-            host tensors, :data:`DEFAULT_DEVICE_BUCKET_CAP_BYTES` (256 MiB) for a
-            GPU's, where each collective's launch costs tens of microseconds of host
-            time.
+            the previous one. ``None``: :data:`DEFAULT_DEVICE_BUCKET_CAP_BYTES`
+            (256 MiB) for the tensors the group reduces over NCCL, where each
+            collective's launch costs tens of microseconds of host time, and
+            :data:`DEFAULT_BUCKET_CAP_BYTES` (32 MiB) for the others (host tensors; a
+            GPU's over Gloo, whose copies through the host overlap between buckets).
         check_consistency: verify, with one small all-gather per averaging, that
             every rank passes the same tensors (raises instead of hanging). The
             all-gather is of host tensors, over the group itself when it has a CPU
@@ -238,7 +239,8 @@ class DistributedCollective:
         self._world_size = dist.get_world_size(self.process_group) if self._is_member else 0
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
-        self._pool = StagingPool(bucket_cap_bytes)
+        backends = backends_by_device(self.process_group) if self._is_member else None
+        self._pool = StagingPool(bucket_cap_bytes, backends=backends)
         self._options = f"bucket_cap_bytes={bucket_cap_bytes}"
         if check_consistency and self.process_group is dist.group.WORLD:  # every rank builds it: a device-only
             # world gets its Gloo twin for the check
