@@ -161,3 +161,15 @@ def test_a_rank_refusing_its_input_makes_its_peers_raise_at_once_instead_of_wait
     assert refuser == "TypeError" and ("leaf 1" in refuser_message or "tensor 1" in refuser_message), refuser_message
     assert peer == "RankMismatchError" and "refused: TypeError" in peer_message, peer_message
     assert peer_s < 10
+
+
+def _the_default_cap_given_or_not(rank, world_size):
+    # the same caps in effect, spelled two ways: the same messages, so the same check
+    collective = DistributedCollective(bucket_cap_bytes=puredist.DEFAULT_BUCKET_CAP_BYTES if rank == 0 else None)
+    params = [torch.full((40,), float(rank))]
+    puredist.average_(params, collective=collective)
+    return params[0][0].item()
+
+
+def test_a_collective_given_the_default_cap_checks_equal_to_one_given_none():
+    assert run_workers(_the_default_cap_given_or_not, 2) == [0.5, 0.5]

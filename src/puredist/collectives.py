@@ -144,6 +144,16 @@ def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_siz
         refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
 
 
+def _cap_options(bucket_cap_bytes: int | None, backends: Mapping[str, str]) -> str:
+    """The staging caps as the rank check compares them: the caps in effect, so that a
+    collective given the default's value equals one given none."""
+    if bucket_cap_bytes is not None:
+        return f"bucket_cap_bytes={bucket_cap_bytes}"
+    if "nccl" in backends.values():
+        return f"bucket_cap_bytes={HOST_BUCKET_CAP_BYTES} (NCCL's tensors: {DEVICE_BUCKET_CAP_BYTES})"
+    return f"bucket_cap_bytes={HOST_BUCKET_CAP_BYTES}"
+
+
 def divides_first(dtype: torch.dtype) -> bool:
     """Whether a mean in ``dtype`` divides each value before the sum: for dtypes with
     a narrower range than fp32 (fp16), where the sum of representable values
@@ -241,7 +251,7 @@ class DistributedCollective:
         self._groups[self._world_size] = self.process_group
         backends = backends_by_device(self.process_group) if self._is_member else None
         self._pool = StagingPool(bucket_cap_bytes, backends=backends)
-        self._options = f"bucket_cap_bytes={bucket_cap_bytes}"
+        self._options = _cap_options(bucket_cap_bytes, backends or {})
         if check_consistency and self.process_group is dist.group.WORLD:  # every rank builds it: a device-only
             # world gets its Gloo twin for the check
             make_twins([range(dist.get_world_size())], like=self.process_group)
