@@ -119,15 +119,16 @@ def means(manager, store, spec: dict) -> None:
 
 def periodic_averaging(manager, spec: dict) -> None:
     """Post-local SGD over the quorum: ``puredist.periodic_averager(2)`` for 6 steps of a
-    deterministic local update; save the parameters."""
-    params = make_params()
+    deterministic local update of a model's parameters (leaves that require grad); save
+    the parameters."""
+    params = {name: torch.nn.Parameter(value) for name, value in make_params().items()}
     averager = puredist.periodic_averager(2)
     state = averager.init(params)
     collective = ManagerCollective(manager)
     for step in range(6):
         local_step(params, spec["index"], step)
         state = averager.update_(params, state, collective=collective)
-    torch.save({"params": params, "step": state.step}, spec["out"])
+    torch.save({"params": {name: p.detach() for name, p in params.items()}, "step": state.step}, spec["out"])
 
 
 def compressed_averaging(manager, spec: dict) -> None:
@@ -138,12 +139,15 @@ def compressed_averaging(manager, spec: dict) -> None:
     averager = puredist.compressed_averager(puredist.int8_blocks(8))
     state = averager.init(params)
     collective = ManagerCollective(manager)
-    refusals = []  # at spec["nan_at"]: (the error's start, torchft's step before, after) of an averaging with a NaN
+    # at spec["nan_at"] (a NaN here) or spec["peer_nan_at"] (a NaN on a peer): (the error's start, torchft's
+    # step before, after) of that averaging; then the step is run again without it
+    refusals = []
     for step in range(3):
         local_step(params, spec["index"], step)
-        if step == spec.get("nan_at"):
+        if step in (spec.get("nan_at"), spec.get("peer_nan_at")):
             poisoned = {name: t.clone() for name, t in params.items()}
-            next(iter(poisoned.values())).view(-1)[0] = float("nan")
+            if step == spec.get("nan_at"):
+                next(iter(poisoned.values())).view(-1)[0] = float("nan")
             before = manager.current_step()
             try:
                 averager.update(poisoned, state, collective=collective)

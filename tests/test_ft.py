@@ -285,6 +285,19 @@ def test_a_compressed_averaging_refused_for_a_nan_is_not_committed_even_by_a_rep
     assert message.startswith("Arg ``params`` (plus the error-feedback") and after == before
 
 
+def test_a_replica_refusing_a_compressed_averaging_for_a_nan_makes_its_peer_refuse_it_too(replicas):
+    # as over torch.distributed: a ValueError on every replica (not a layout mismatch), nothing committed, and
+    # the step run again without the NaN goes through on both
+    replicas.start("r0", 0, compressed_averager=True, nan_at=1, wait_for=["up.r1"], finish_with=["r1"])
+    replicas.start("r1", 1, compressed_averager=True, peer_nan_at=1, wait_for=["up.r0"], finish_with=["r0"])
+    results = [replicas.result(f"r{i}") for i in range(2)]
+    for result in results:
+        (message, before, after), = result["refusals"]
+        assert message.startswith("Arg ``params`` (plus the error-feedback") and after == before, message
+    for name in results[0]["params"]:
+        assert torch.equal(results[0]["params"][name], results[1]["params"][name])
+
+
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
     for options in ({"delay": 1, "warmup_steps": 1}, {"lower_levels": {2: 1}, "warmup_steps": 1}, {}):
         transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)

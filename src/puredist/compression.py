@@ -258,14 +258,17 @@ def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     contributing replica's whole row, compressed, gathered by all; the mean of the
     decoded rows in quorum order (the same bits everywhere); what this row's payload
     lost is its residual. Bytes per replica: ``W - 1`` payloads (the two phases send
-    ``2 (W - 1) / W``). A replica with non-finite values sends zeros and a context
-    that differs, so that every replica raises before any payload is read."""
+    ``2 (W - 1) / W``). A replica with non-finite values refuses in the quorum's
+    rank check (and sends zeros), so that every replica raises the same ``ValueError``
+    before any payload is read."""
     numel = rows.shape[1]
     payload = compressor.encode(rows[0] if finite else torch.zeros_like(rows[0]))
     try:
         gathered = collective.all_gather_rows(list(payload), context=context, refused=not finite)
+    except ValueError as refusal:  # some replica refused (every one voted against the step: not committed)
+        _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}" if not finite else str(refusal)], context)
     except (RankMismatchError, CollectiveError):
-        if not finite:  # (it voted against the step: not committed, even where every replica refused alike)
+        if not finite:  # (it voted against the step: not committed)
             _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
         raise
     mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from puredist._consistency import RankMismatchError, _value_digest
+from puredist._consistency import REFUSED, RankMismatchError, _value_digest
 from puredist._inputs import checked, checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, nothing_changed
 from puredist.collectives import divides_first
@@ -201,13 +201,14 @@ class ManagerCollective:
         replica's among them unless it is healing). What
         :func:`puredist.compression.compressed_mean` runs over a quorum.
 
-        ``refused``: this replica refuses the step (its values are not finite; its
-        ``context`` says so, so a replica that does not refuse raises
-        :class:`~puredist.RankMismatchError`): it takes part, then votes against,
-        so that the step is not committed even where every contributor refused alike.
+        ``refused``: this replica refuses the step (its values are not finite): it
+        takes part in the rank check, which counts the refusals, and every replica
+        raises ``ValueError`` and votes against, so that the step is not committed,
+        even where a replica that refused is alone.
 
         Raises:
             Healed: as :meth:`mean_`.
+            ValueError: on every replica, when some replica refused; nothing sent.
             RankMismatchError: on every replica, when they pass different shapes,
                 dtypes or contexts.
             CollectiveError: the quorum, a gather or the vote failed (with ``refused``:
@@ -220,8 +221,8 @@ class ManagerCollective:
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)
         device = tensors[0].device
-        contributors = self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context}", role, device,
-                                   what)
+        contributors = self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context.split(REFUSED)[0]}",
+                                   role, device, what, refused=refused)
         group = ManagedProcessGroup(self.manager)
         flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
         gathered = []
@@ -252,7 +253,7 @@ class ManagerCollective:
             groups.setdefault((t.device, t.dtype), []).append(i)
         buffers = []
         for indices in groups.values():
-            parts = [reduced[i].reshape(-1) for i in indices]
+            parts = [reduced[i].detach().reshape(-1) for i in indices]  # (a model's parameters require grad)
             buffer = torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
             if role == _MEMBER:
                 torch.cat(parts, out=buffer)
@@ -270,7 +271,8 @@ class ManagerCollective:
                 buffer.div_(contributors)
             targets = [reduced[i] for i in indices]
             views = buffer.split([t.numel() for t in targets])
-            torch._foreach_copy_(targets, [v.view(t.shape) for v, t in zip(views, targets)])
+            with torch.no_grad():  # into the parameters' own storage, as DistributedCollective writes
+                torch._foreach_copy_(targets, [v.view(t.shape) for v, t in zip(views, targets)])
 
     def _start_quorum(self, given, what: str) -> str:
         """Start this reduction's quorum (unless a heal left one open: the replay of
@@ -294,30 +296,38 @@ class ManagerCollective:
             raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
         return _HEALED
 
-    def _check(self, given, agreed: str, role: str, device: torch.device, what: str) -> int:
+    def _check(self, given, agreed: str, role: str, device: torch.device, what: str, *, refused: bool = False) -> int:
         """The rank check: how many replicas contribute, once all that are checked
         (every role but :data:`_HEALED`, whose schedule is stale) agree on ``agreed``
         and on their history: torchft's count of committed batches (a peer's, taken
         with its step in a heal). torchft's vote is per replica group, so some
         replicas may commit a step that others fail; where those redo it in a quorum
         of their own, both reach the same step with different tensors, and only
-        this count tells them apart at their next common quorum."""
+        this count tells them apart at their next common quorum. ``refused``: this
+        replica refuses the step; where any does, every replica raises ``ValueError``
+        (after the vote against it)."""
         h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
         checked = 0.0 if role == _HEALED else 1.0
         row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
-                            1.0 if role == _MEMBER else 0.0], dtype=torch.float64, device=device)
+                            1.0 if role == _MEMBER else 0.0, float(refused)], dtype=torch.float64, device=device)
         if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
             self._commit(given, what, "torchft's quorum")  # votes against, and raises
         self._all_reduce([row])
         if self.manager.errored() is not None:
             self._commit(given, what, "the rank check")  # votes against, and raises
-        members, s1, q1, s2, q2, count = (int(v) for v in row.tolist())
+        members, s1, q1, s2, q2, count, refusing = (int(v) for v in row.tolist())
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
             reason = ("no replica contributes (every one is healing)" if count < 1 else
                       "the replicas passed different tensor layouts or contexts, or committed different histories "
                       "(a step that some replicas committed and others redid in a quorum without them)")
             error = RankMismatchError(f"{what} at torchft step {self.manager.current_step()}: {reason}; nothing was "
                                       "changed.", layouts_differ=count >= 1)
+            self.manager.report_error(error)
+            self._vote()
+            raise error
+        if refusing:
+            error = ValueError(f"{what} at torchft step {self.manager.current_step()}: {refusing} replica(s) refused "
+                               "the step; nothing was changed.")
             self.manager.report_error(error)
             self._vote()
             raise error
