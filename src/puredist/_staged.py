@@ -10,8 +10,8 @@ result: every element holds its value from before the call or its result, and
 :class:`CollectiveError` says which.
 
 Blocking runs (:func:`run_staged` without ``async_op``) reuse one staging pool of at
-most ``bucket_cap_bytes`` per device (by default the pool's, :func:`default_bucket_cap_bytes`), writing
-each bucket back as soon as it is done
+most ``bucket_cap_bytes`` per device (by default the pool's capacity, see
+:func:`default_bucket_cap_bytes`), writing each bucket back as soon as it is done
 (the copy into bucket ``k + 1`` overlaps the collective of bucket ``k``). Asynchronous
 runs stage every bucket at once and write back only when :meth:`CollectiveHandle.wait`
 has seen *every* collective succeed: all or nothing.
@@ -326,9 +326,9 @@ class StagingPool:
     its pages in every time). Blocking runs share one buffer per device of at most
     ``capacity`` bytes (``None``: :func:`default_bucket_cap_bytes` of the backend that
     reduces the device's tensors, from ``backends``: ``{device type: backend name}``),
-    grown to what a call needs, handed out in issue order as a ring (buckets finish in issue
-    order). Asynchronous runs :meth:`take` buffers of their own (:meth:`take`), given
-    back once written back; up to ``capacity`` bytes of those are kept as spares. One
+    grown to what a call needs, handed out in issue order as a ring (buckets finish in
+    issue order). Asynchronous runs :meth:`take` buffers of their own, given back once
+    written back; up to ``capacity`` bytes of those are kept as spares per device. One
     pool serves one thread.
 
     After a failed run the buffers are dropped (the backend may still hold the failed
@@ -376,9 +376,8 @@ class StagingPool:
     def _give_back(self, spare: "_Spare") -> None:
         """Keep a buffer from :meth:`take` whose collective succeeded, for the next
         asynchronous run, while the spares stay within ``capacity`` bytes."""
-        nbytes = spare.memory.numel()
-        spare.stream = _stream_of(spare.memory.device)  # its write-back's
-        device = spare.memory.device
+        nbytes, device = spare.memory.numel(), spare.memory.device
+        spare.stream = _stream_of(device)  # its write-back's
         kept = self._spare_bytes.get(device, 0)
         if kept + nbytes <= self.capacity(device):
             self._spare.setdefault((device, nbytes), []).append(spare)
