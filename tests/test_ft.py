@@ -402,6 +402,33 @@ def test_an_abandoned_replay_leaves_the_quorum_its_heal_opened(abandoned):
 
 
 
+class _HealingThenFailingManager(_HealingManager):
+    """Heals this replica in its first quorum, where a peer contributes (its row in the
+    rank check: a member with any digests), and then the vote fails."""
+
+    def allreduce(self, tensor, reduce_op):
+        if tensor.dtype == torch.float64 and tensor.numel() == 7:  # the rank check's row
+            tensor.add_(torch.tensor([1.0, 5.0, 25.0, 3.0, 9.0, 1.0, 0.0], dtype=torch.float64))
+        return super().allreduce(tensor, reduce_op)
+
+    def should_commit(self) -> bool:
+        raise RuntimeError("injected: should_commit failed after max_retries")
+
+
+@pytest.mark.parametrize("manager", [_HealingManager, _HealingThenFailingManager])
+def test_a_replica_healed_in_a_step_that_then_fails_is_told_it_healed(manager):
+    # the manager's load functions ran: whatever became of the step (alone here nobody contributes, or the
+    # vote fails), the caller must go on from the peers' state, not hear that nothing changed
+    from puredist.ft import Healed
+
+    tensor = torch.ones(2)
+    with pytest.raises(Healed, match="healed from a peer") as error:
+        ManagerCollective(manager(), restart_on_heal=False).mean_([tensor], context="x")
+    expected = puredist.RankMismatchError if manager is _HealingManager else puredist.CollectiveError
+    assert isinstance(error.value.__cause__, expected), error.value.__cause__
+    assert torch.equal(tensor, torch.ones(2))
+
+
 class _HealingOuterManager(_HealingManager):
     """A stand-in manager whose first quorum heals this replica with ``peer`` (a
     transform's ``state_dict``), loading it as torchft does during ``start_quorum``;

@@ -26,8 +26,9 @@ caller's: :class:`puredist.ft.FaultTolerantOuter` for DiLoCo), nor create manage
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.distributed import ReduceOp
@@ -49,7 +50,8 @@ class Healed(Exception):
     ``restart_on_heal=True``, it raises at once: nothing was reduced, and the quorum
     stays open for the caller's next reduction, which this replica joins with zeros
     (it must be the reduction its peers are running, from their state). Without, it
-    takes part with zeros and raises once the vote is done: its tensors were not
+    takes part with zeros and raises once the vote is done, also where the step failed
+    (the failure as its ``__cause__``: the heal stands all the same): its tensors were not
     written, and its peers' reduction completes where it was the same reduction
     (the same tensors' layout; with a different one, from its stale schedule, the
     all-reduce fails at the backend's timeout on every replica)."""
@@ -70,12 +72,29 @@ sends zeros unchecked and raises :class:`Healed` once the others are done
 (``_HEALED``: a collective without ``restart_on_heal``)."""
 
 
+def _healed(what: str) -> Healed:
+    return Healed(
+        f"{what}: this replica healed from a peer in this quorum (the manager's load_state_dict functions have "
+        "run) and took part with zeros; its tensors were not written. Continue from the peers' state."
+    )
+
+
 def _raise_if_healed(role: str, what: str) -> None:
     if role == _HEALED:
-        raise Healed(
-            f"{what}: this replica healed from a peer in this quorum (the manager's load_state_dict functions have "
-            "run) and took part with zeros; its tensors were not written. Continue from the peers' state."
-        )
+        raise _healed(what)
+
+
+@contextlib.contextmanager
+def _heal_reported(role: str, what: str) -> Iterator[None]:
+    """Where this replica healed in the quorum, a failure of the rest of the step (the
+    rank check, the vote) still leaves it healed: raise :class:`Healed`, the failure as
+    its cause, so that the caller goes on from the peers' state."""
+    try:
+        yield
+    except (RankMismatchError, CollectiveError, ValueError) as error:
+        if role == _HEALED:
+            raise _healed(what) from error
+        raise
 
 
 class ManagerCollective:
@@ -221,21 +240,22 @@ class ManagerCollective:
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)
         device = tensors[0].device
-        contributors = self._check(tensors, f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context.split(REFUSED)[0]}",
-                                   role, device, what, refused=refused)
-        group = ManagedProcessGroup(self.manager)
-        flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
-        gathered = []
-        try:
-            for tensor in (flag, *tensors):
-                outputs = [torch.empty_like(tensor) for _ in range(group.size())]
-                group.allgather([outputs], [tensor], AllgatherOptions()).wait()
-                gathered.append(outputs)
-        except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
-            self.manager.report_error(cause)
-        if refused:  # nothing is applied: the step must not count as committed
-            self.manager.report_error(ValueError(f"{what}: this replica refused the step ({context})"))
-        self._commit(tensors, what, "the gather")
+        agreed = f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context.split(REFUSED)[0]}"
+        with _heal_reported(role, what):
+            contributors = self._check(tensors, agreed, role, device, what, refused=refused)
+            group = ManagedProcessGroup(self.manager)
+            flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
+            gathered = []
+            try:
+                for tensor in (flag, *tensors):
+                    outputs = [torch.empty_like(tensor) for _ in range(group.size())]
+                    group.allgather([outputs], [tensor], AllgatherOptions()).wait()
+                    gathered.append(outputs)
+            except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
+                self.manager.report_error(cause)
+            if refused:  # nothing is applied: the step must not count as committed
+                self.manager.report_error(ValueError(f"{what}: this replica refused the step ({context})"))
+            self._commit(tensors, what, "the gather")
         self._world_size = contributors
         _raise_if_healed(role, what)
         flags, *columns = gathered
@@ -247,21 +267,22 @@ class ManagerCollective:
         ``reduced``, vote; write the means back only if it commits."""
         role = self._start_quorum(given, what)
         device = given.reduced[0].device if given.reduced else torch.device("cpu")  # (the check's, too)
-        contributors = self._check(given, agreed, role, device, what)
-        groups: dict[tuple, list[int]] = {}
-        for i, t in enumerate(reduced):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        buffers = []
-        for indices in groups.values():
-            parts = [reduced[i].detach().reshape(-1) for i in indices]  # (a model's parameters require grad)
-            buffer = torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
-            if role == _MEMBER:
-                torch.cat(parts, out=buffer)
-                if divides_first(buffer.dtype):
-                    buffer.div_(contributors)
-            buffers.append(buffer)
-        self._all_reduce(buffers)
-        self._commit(given, what, "the data all-reduce")
+        with _heal_reported(role, what):
+            contributors = self._check(given, agreed, role, device, what)
+            groups: dict[tuple, list[int]] = {}
+            for i, t in enumerate(reduced):
+                groups.setdefault((t.device, t.dtype), []).append(i)
+            buffers = []
+            for indices in groups.values():
+                parts = [reduced[i].detach().reshape(-1) for i in indices]  # (a model's parameters require grad)
+                buffer = torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
+                if role == _MEMBER:
+                    torch.cat(parts, out=buffer)
+                    if divides_first(buffer.dtype):
+                        buffer.div_(contributors)
+                buffers.append(buffer)
+            self._all_reduce(buffers)
+            self._commit(given, what, "the data all-reduce")
         self._world_size = contributors
         _raise_if_healed(role, what)
         if not write_back:
