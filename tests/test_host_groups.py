@@ -90,3 +90,26 @@ def _groups_made_without_twins():
 
 def test_subgroups_and_mesh_groups_get_twins_and_a_group_without_one_still_checks():
     run_workers(_device_only_subgroups, 4, timeout=60, gloo_timeout=20)
+
+
+def _world_group_freed_after_destroy(rank, world_size):
+    import gc
+    import weakref
+
+    import puredist
+
+    world = weakref.ref(dist.group.WORLD)
+    collective = puredist.DistributedCollective()
+    params = [torch.full((3,), float(rank))]
+    puredist.average_(params, collective=collective)
+    del collective
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    # a group kept alive past its destruction is torn down at interpreter exit, where Gloo's threads
+    # abort the process ("terminate called without an active exception") now and then
+    return world() is None and params[0][0].item() == 0.5
+
+
+def test_nothing_keeps_a_destroyed_process_group_alive():
+    assert run_workers(_world_group_freed_after_destroy, 2, broken=True) == [True, True]

@@ -15,7 +15,6 @@ reads them back, one host wait per check; to avoid that, initialize torch.distri
 with ``"cpu:gloo,cuda:nccl"`` (torch's default) so that every group has a CPU side.
 """
 
-import functools
 from datetime import timedelta
 from typing import Sequence
 
@@ -27,11 +26,9 @@ _TWINS: dict[tuple[int, ...], tuple[dist.ProcessGroup, "dist.ProcessGroup | None
 ``None`` where this rank is not among the ranks)."""
 
 
-@functools.lru_cache(maxsize=64)  # a group's backends never change; asked per bucket
 def backends_by_device(group: dist.ProcessGroup) -> dict[str, str]:
     """``{device type: backend name}`` of ``group``: ``"cpu:gloo,cuda:nccl"`` maps each
-    device to its own; a single name (``"nccl"``) stands for every device. (Shared
-    between calls: not to be changed.)"""
+    device to its own; a single name (``"nccl"``) stands for every device."""
     backend = dist.get_backend(group)
     if ":" in backend:
         return dict(part.split(":") for part in backend.split(","))

@@ -381,13 +381,20 @@ class DistributedCollective:
         # the tensors as passed: a DTensor's sharding is part of the check
         self._check_same(given, group, context=context, what="one averaging all-reduce")
 
+        natively: dict[torch.device, bool] = {}  # (asked per bucket: the group's backend read once a device)
+
+        def native(device: torch.device) -> bool:
+            if device not in natively:
+                natively[device] = averages_natively(group, device)
+            return natively[device]
+
         def scales(buffer: torch.Tensor) -> tuple[int | None, int | None]:
             if divides_first(buffer.dtype):
                 return size, None
-            return None, (None if averages_natively(group, buffer.device) else size)
+            return None, (None if native(buffer.device) else size)
 
         def launch(buffer: torch.Tensor):
-            average = averages_natively(group, buffer.device) and not divides_first(buffer.dtype)
+            average = native(buffer.device) and not divides_first(buffer.dtype)
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
