@@ -189,19 +189,28 @@ def test_a_parameter_used_on_some_ranks_only_is_stepped_as_by_ddp_with_the_plain
 
 
 def _ignored_by_ddp(rank, world_size):
-    net = make_net()
-    DDP._set_params_and_buffers_to_ignore_for_model(net, ["0.bias"])
-    model = ddp(net, False, False)
+    def ignoring():
+        net = make_net()
+        DDP._set_params_and_buffers_to_ignore_for_model(net, ["0.bias"])
+        model = ddp(net, False, False)
+        return model, [p for name, p in model.module.named_parameters() if name != "0.bias"]
+
+    model, rest = ignoring()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
     with pytest.raises(ValueError, match=r"parameters DDP ignores \(0\.bias\)"):
         hook_with_zero_step(allreduce_hook, model, zero)
-    # without it, the rest trains as with the plain optimizer
-    rest = [p for name, p in model.module.named_parameters() if name != "0.bias"]
+    # without it, the rest trains as DDP with the plain optimizer over the same parameters
     zero = ZeroRedundancyOptimizer(rest, torch.optim.SGD, overlap_with_ddp=True, lr=0.05)
     model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
-    before = [p.detach().clone() for p in rest]
-    loss_of(model, rank, 0).backward()
-    return all(not torch.equal(a, b) for a, b in zip(before, rest))
+    reference, reference_rest = ignoring()
+    reference_opt = torch.optim.SGD(reference_rest, lr=0.05)
+    for step in range(3):
+        loss_of(model, rank, step).backward()
+        loss_of(reference, rank, step).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+        zero.zero_grad()
+    return all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(rest, reference_rest))
 
 
 def test_parameters_ddp_ignores_are_refused_by_the_hooks():

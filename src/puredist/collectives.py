@@ -381,12 +381,7 @@ class DistributedCollective:
         # the tensors as passed: a DTensor's sharding is part of the check
         self._check_same(given, group, context=context, what="one averaging all-reduce")
 
-        natively: dict[torch.device, bool] = {}  # (asked per bucket: the group's backend read once a device)
-
-        def native(device: torch.device) -> bool:
-            if device not in natively:
-                natively[device] = averages_natively(group, device)
-            return natively[device]
+        native = functools.cache(lambda device: averages_natively(group, device))  # (per bucket: read once a device)
 
         def scales(buffer: torch.Tensor) -> tuple[int | None, int | None]:
             if divides_first(buffer.dtype):

@@ -167,7 +167,7 @@ class Optimizer(NamedTuple):
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     update_: Callable[[PyTree, PyTree, PyTree], PyTree]
     config: str = ""
-    check: Callable[[Sequence[NamedTuple]], None] | None = None
+    check: Callable[..., None] | None = None
     elementwise: bool = False
 
 

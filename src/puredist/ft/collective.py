@@ -230,8 +230,7 @@ class ManagerCollective:
             ValueError: on every replica, when some replica refused; nothing sent.
             RankMismatchError: on every replica, when they pass different shapes,
                 dtypes or contexts.
-            CollectiveError: the quorum, a gather or the vote failed (with ``refused``:
-                always, the vote).
+            CollectiveError: the quorum, a gather or the vote failed.
         """
         from torch.distributed.distributed_c10d import AllgatherOptions
         from torchft.process_group import ManagedProcessGroup
@@ -253,8 +252,6 @@ class ManagerCollective:
                     gathered.append(outputs)
             except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
                 self.manager.report_error(cause)
-            if refused:  # nothing is applied: the step must not count as committed
-                self.manager.report_error(ValueError(f"{what}: this replica refused the step ({context})"))
             self._commit(tensors, what, "the gather")
         self._world_size = contributors
         _raise_if_healed(role, what)

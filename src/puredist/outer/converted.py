@@ -103,12 +103,12 @@ def write_back(locals_: list[torch.Tensor], targets: list[torch.Tensor], snapsho
         if not snapshot:
             torch._foreach_copy_(locals_, targets)
             return
-        torch._foreach_sub_(locals_, list(snapshot))
-        if targets[0].dtype != locals_[0].dtype:
+        if targets[0].dtype != locals_[0].dtype:  # (converted first: no allocation between the writes)
             _, numel, _ = layout_of(targets).summary(targets)
             converted = views_like(torch.empty(numel, dtype=locals_[0].dtype, device=locals_[0].device), targets)
             torch._foreach_copy_(converted, targets)
             targets = converted
+        torch._foreach_sub_(locals_, list(snapshot))
         torch._foreach_add_(locals_, targets)
 
 

@@ -161,8 +161,9 @@ def apply(config: OuterConfig, leaves: Checked, global_params: list, outer_state
     states = [outer_state[i] for i in indices]
     if shards.on_shards(config, leaves):  # (started on the shards: synchronous, so in this very step)
         stepped = shards.step(config, targets, list(item.pseudo_grads), states, first)
-        for k, i in enumerate(indices):
-            outer_state[i] = states[k] if stepped is None else stepped[k]
+        if stepped is not None:
+            for k, i in enumerate(indices):
+                outer_state[i] = stepped[k]
         shards.write_back([leaves[i] for i in indices], targets)
         return
     on_device = not fast and converted.on_device(config, leaves)
