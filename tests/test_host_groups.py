@@ -113,3 +113,33 @@ def _world_group_freed_after_destroy(rank, world_size):
 
 def test_nothing_keeps_a_destroyed_process_group_alive():
     assert run_workers(_world_group_freed_after_destroy, 2, broken=True) == [True, True]
+
+
+def _groups_made_by_puredist_freed_after_destroy(rank, world_size, device_only):
+    import gc
+    import weakref
+
+    if device_only:  # as on NCCL: the world, its subgroups and the mesh's groups get Gloo twins
+        _host_groups._serves_the_host = lambda group: False
+    hierarchical = puredist.DistributedCollective.with_subgroups([2])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    across = puredist.DistributedCollective.from_mesh(mesh, ("replicate", "shard"))  # a group of its own
+    made = [dist.group.WORLD, hierarchical._group(2), across.process_group,
+            *(_host_groups.host_group(g) for g in (dist.group.WORLD, hierarchical._group(2)) if device_only)]
+    assert all(group is not None for group in made)
+    params = [torch.full((3,), float(rank))]
+    puredist.average_(params, collective=hierarchical, group_size=2)
+    alive = [weakref.ref(group) for group in made]
+    del hierarchical, across, mesh, made
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    return [ref() is None for ref in alive], params[0][0].item() == (0.5 if rank < 2 else 2.5)
+
+
+@pytest.mark.parametrize("device_only", [False, True], ids=["gloo", "device-only (twins)"])
+def test_the_groups_puredist_makes_do_not_keep_a_destroyed_world_alive(device_only):
+    # the subgroups, mesh groups and twins puredist caches held the world and themselves past
+    # destroy_process_group, to be torn down at interpreter exit (where Gloo's threads may abort)
+    for freed, averaged in run_workers(_groups_made_by_puredist_freed_after_destroy, 4, device_only, broken=True):
+        assert averaged and freed == [True] * len(freed), freed

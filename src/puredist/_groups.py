@@ -12,10 +12,12 @@ This module must not move tensor values.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch.distributed as dist
 
+from puredist._group_memo import GroupMemo
 from puredist._host_groups import make_twins
 
 if TYPE_CHECKING:
@@ -32,19 +34,20 @@ def mesh_group(mesh: "DeviceMesh", names: tuple[str, ...]) -> dist.ProcessGroup:
         group = mesh.get_group(names[0])
     else:
         key = tuple(map(tuple, ranks))
-        world, group = _MESH_GROUPS.get(key, (None, None))
-        if world is not dist.group.WORLD:  # a process group holds sockets and threads: one per set of ranks and world
+        group = _MESH_GROUPS.get(key)
+        if group is None:  # a process group holds sockets and threads: one per set of ranks and world
             group, _ = dist.new_subgroups_by_enumeration(ranks)
-            _MESH_GROUPS[key] = (dist.group.WORLD, group)
+            _MESH_GROUPS[key] = group
     if mesh.mesh.numel() == dist.get_world_size():  # every rank is here: device-only groups get their Gloo twins
         make_twins(ranks, like=group)
     return group
 
 
-_MESH_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_MESH_GROUPS = GroupMemo()
+"""the rank lists of a group over several mesh dimensions -> this rank's group"""
 
-
-_SUBGROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_SUBGROUPS = GroupMemo()
+"""(a weak reference to the whole group, the subgroups' size) -> this rank's subgroup"""
 
 
 def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
@@ -53,13 +56,14 @@ def subgroup(whole: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
     asks for the same sizes in the same order, as torch requires), then reused —
     a process group holds sockets and threads, so making new ones for every averager
     leaks them."""
-    key = (id(whole), size)
-    if key not in _SUBGROUPS:  # the parent is kept too, so its id is never reused
-        _SUBGROUPS[key] = (whole, dist.new_subgroups(group_size=size, group=whole)[0])
+    key = (weakref.ref(whole), size)  # (equal while ``whole`` lives; a dead one equals no other)
+    group = _SUBGROUPS.get(key)
+    if group is None:
+        group = _SUBGROUPS[key] = dist.new_subgroups(group_size=size, group=whole)[0]
         ranks = dist.get_process_group_ranks(whole)
         if len(ranks) == dist.get_world_size():  # every rank is here: device-only subgroups get their Gloo twins
-            make_twins([ranks[i : i + size] for i in range(0, len(ranks), size)], like=_SUBGROUPS[key][1])
-    return _SUBGROUPS[key][1]
+            make_twins([ranks[i : i + size] for i in range(0, len(ranks), size)], like=group)
+    return group
 
 
 def subgroups_of(whole: dist.ProcessGroup, sizes: Sequence[int]) -> dict[int, dist.ProcessGroup]:

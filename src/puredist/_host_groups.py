@@ -21,9 +21,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-_TWINS: dict[tuple[int, ...], tuple[dist.ProcessGroup, "dist.ProcessGroup | None"]] = {}
-"""sorted ranks -> (the default group of the world they were made in, this rank's twin;
-``None`` where this rank is not among the ranks)."""
+from puredist._group_memo import GroupMemo
+
+_TWINS = GroupMemo()
+"""sorted ranks -> this rank's twin (``None`` where this rank is not among the ranks)."""
 
 
 def backends_by_device(group: dist.ProcessGroup) -> dict[str, str]:
@@ -50,8 +51,7 @@ def host_group(group: dist.ProcessGroup) -> "dist.ProcessGroup | None":
     its twin, or ``None`` (no twin: the check gathers on the device)."""
     if _serves_the_host(group):
         return group
-    world, twin = _TWINS.get(tuple(sorted(dist.get_process_group_ranks(group))), (None, None))
-    return twin if world is dist.group.WORLD else None
+    return _TWINS.get(tuple(sorted(dist.get_process_group_ranks(group))))
 
 
 def exchange(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, torch.device]:
@@ -71,13 +71,13 @@ def make_twins(rank_lists: Sequence[Sequence[int]], like: dist.ProcessGroup) -> 
     if _serves_the_host(like):
         return
     keys = [tuple(sorted(ranks)) for ranks in rank_lists]  # as torch lists a group's ranks
-    fresh = [key for key in keys if _TWINS.get(key, (None,))[0] is not dist.group.WORLD]
+    fresh = [key for key in keys if key not in _TWINS]
     if not fresh:
         return
     mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in fresh], timeout=_timeout(like), backend="gloo")
     rank = dist.get_rank()
     for ranks in fresh:
-        _TWINS[ranks] = (dist.group.WORLD, mine if rank in ranks else None)
+        _TWINS[ranks] = mine if rank in ranks else None
 
 
 def _timeout(group: dist.ProcessGroup) -> "timedelta | None":
