@@ -424,3 +424,54 @@ def _owner_refuses_the_gradients(rank, world_size, bad):
 def test_a_rank_that_owns_nothing_raises_the_owners_refusal_of_its_gradients_at_once(bad):
     for seconds in run_workers(_owner_refuses_the_gradients, 2, bad, gloo_timeout=20, timeout=40):
         assert seconds < 10
+
+
+def _one_rank_passes_bad_input(rank, world_size, bad):
+    import time
+
+    zero = puredist.zero(puredist.sgd(lr=0.1))
+    params = [torch.ones(3), torch.ones(2)]
+    plan = puredist.plan_zero([3, 2], world_size)
+    state = zero.init(params, plan=plan, rank=rank)
+    grads = [torch.ones(3), torch.ones(2)]
+    if rank == 1 and bad == "grads":
+        grads = grads[:1]
+    if rank == 1 and bad == "plan":
+        state = state._replace(plan=puredist.plan_zero([3, 2], world_size + 1))
+    started = time.perf_counter()
+    if rank == 1:
+        expected = r"Arg ``grads``" if bad == "grads" else r"shards over 3 ranks, the collective has 2"
+        with pytest.raises(ValueError, match=expected):
+            zero.update_(params, grads, state, collective=puredist.DistributedCollective())
+        time.sleep(8)  # alive, as a rank that logs or checkpoints after its error: its peer must not wait for it
+    else:
+        with pytest.raises(RankMismatchError, match=r"rank 1: .*refused: ValueError"):
+            zero.update_(params, grads, state, collective=puredist.DistributedCollective())
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("bad", ["grads", "plan"])
+def test_a_rank_refusing_its_zero_input_makes_its_peers_raise_at_once(bad):
+    # a gradient list of another length or a plan for another world size on one rank: its peer waited in
+    # the rank check until that rank's process left, or until the collective's timeout
+    seconds = run_workers(_one_rank_passes_bad_input, 2, bad, gloo_timeout=20, timeout=40)
+    assert seconds[0] < 5, seconds
+
+
+@pytest.mark.parametrize("owners", [(0, 2), (0, -1), (0, "1")])
+def test_a_plan_naming_a_rank_outside_its_world_is_refused_by_name(owners):
+    plan = puredist.ZeroPlan(2, owners)
+    zero = puredist.zero(puredist.sgd(lr=0.1))
+    stacked = [torch.ones(2, 3), torch.ones(2, 2)]
+    with pytest.raises(ValueError, match=r"Arg ``plan``: owners must be ranks in \[0, 2\), got .* at parameter 1"):
+        zero.init(stacked, plan=plan, rank=0)
+    with pytest.raises(ValueError, match=r"Arg ``plan``: owners must be ranks in \[0, 2\)"):
+        zero.init(stacked, plan=plan, rank=None)
+    with pytest.raises(ValueError, match=r"owners must be ranks in \[0, 2\)"):
+        plan.loads([3, 2])
+    # a state carrying such a plan (built by hand) is refused before anything is stepped
+    state = zero.init(stacked, plan=puredist.ZeroPlan(2, (0, 1)), rank=None)._replace(plan=plan)
+    with pytest.raises(ValueError, match=r"The state's plan: owners must be ranks in \[0, 2\)"):
+        zero.update_(stacked, [torch.ones(2, 3), torch.ones(2, 2)], state, collective=puredist.SimulatedCollective(2))
+    assert all(torch.equal(p, torch.ones_like(p)) for p in stacked)

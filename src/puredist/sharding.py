@@ -35,6 +35,13 @@ def _owned(owners: tuple[int, ...], rank: int) -> tuple[int, ...]:
     return tuple(i for i, owner in enumerate(owners) if owner == rank)
 
 
+@functools.lru_cache(maxsize=64)
+def _outside(world_size: int, owners: tuple) -> tuple[tuple[int, object], ...]:
+    """``(index, owner)`` of each owner that is not a rank in ``[0, world_size)``
+    (worked out once per plan: ZeRO checks at every step)."""
+    return tuple((i, owner) for i, owner in enumerate(owners) if not isinstance(owner, int) or not 0 <= owner < world_size)
+
+
 @fields_documented
 class ZeroPlan(NamedTuple):
     """Ownership of every parameter (leaf order) among ``world_size`` ranks.
@@ -52,8 +59,21 @@ class ZeroPlan(NamedTuple):
         plan and rank: ZeRO asks at every step)."""
         return _owned(tuple(self.owners), rank)
 
+    def check(self, what: str = "Arg ``plan``") -> None:
+        """Raise ``ValueError`` (its message starting with ``what``) unless every owner
+        is a rank in ``[0, world_size)``."""
+        outside = _outside(self.world_size, tuple(self.owners))
+        if outside:
+            found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
+            raise ValueError(f"{what}: owners must be ranks in [0, {self.world_size}), got {found}.")
+
     def loads(self, sizes: Sequence[int]) -> list[int]:
-        """Elements owned by each rank, given each parameter's element count."""
+        """Elements owned by each rank, given each parameter's element count.
+
+        Raises:
+            ValueError: an owner outside the plan's ranks (:meth:`check`).
+        """
+        self.check()
         loads = [0] * self.world_size
         for owner, size in zip(self.owners, sizes):
             loads[owner] += size

@@ -41,7 +41,9 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
-from puredist.collectives import CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective
+from puredist.collectives import (
+    CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective, refuse_on_all_ranks,
+)
 from puredist.replicas import VmapCollective
 from puredist._consistency import RankMismatchError, refusals, with_refusal
 from puredist.optim import Optimizer, clone_states
@@ -147,6 +149,7 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
     leaves, _ = tree_flatten(params)
     if len(plan.owners) != len(leaves):
         raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
+    plan.check()
     if rank is None:
         _check_stacked(leaves, plan.world_size, "params")
         return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
@@ -186,6 +189,15 @@ def _step_owned(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, ind
     return state._replace(owned=tuple(owned))
 
 
+def _context(state: ZeroState) -> str:
+    """What the rank check compares besides the tensors: the plan and the step (``""``
+    for a state too malformed to say)."""
+    try:
+        return f"plan {state.plan.digest()} step {state.step}"
+    except (AttributeError, TypeError):
+        return ""
+
+
 def _checked(params, grads, state: ZeroState, collective):
     if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
         raise TypeError(
@@ -193,9 +205,13 @@ def _checked(params, grads, state: ZeroState, collective):
             f"got {type(collective).__name__}: under vmap use the pure update."
         )
     leaves, spec = tree_flatten(params)
-    grad_leaves = spec.flatten_up_to(grads)
+    try:
+        grad_leaves = spec.flatten_up_to(grads)
+    except ValueError as error:
+        raise ValueError(f"Arg ``grads`` must have the structure of ``params`` (None for no gradient): {error}") from None
     if len(state.plan.owners) != len(leaves):
         raise ValueError(f"The state's plan covers {len(state.plan.owners)} parameters, ``params`` has {len(leaves)}.")
+    state.plan.check("The state's plan")
     if state.plan.world_size != collective.world_size:
         raise ValueError(
             f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
@@ -246,12 +262,16 @@ def update_subset_(
 
 def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
     """One whole iteration in place, after the rank check; returns the state at step + 1."""
-    leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    try:
+        leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    except (TypeError, ValueError) as error:  # this rank's input: its peers raise at once instead of waiting
+        refuse_on_all_ranks(collective, error, context=_context(state))
+        raise
     if isinstance(collective, DistributedCollective):
         # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
         # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
         refusal = _refusal(optimizer, leaves, grad_leaves, state, collective.rank)
-        context = with_refusal(f"plan {state.plan.digest()} step {state.step}", refusal)
+        context = with_refusal(_context(state), refusal)
         try:
             collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")
         except RankMismatchError as error:
