@@ -248,3 +248,56 @@ def test_a_source_dying_mid_broadcast_leaves_receivers_with_old_or_sent_values_a
     # a receiver may wait for data the dead source no longer relays: Gloo's timeout ends it
     first, second = run_workers(_source_dies_mid_broadcast, 3, victims=(2,), timeout=60, gloo_timeout=5)[:2]
     assert first is not None and second is not None
+
+
+def _averaged_across_inference_mode(rank, world_size):
+    collective = DistributedCollective()
+    big, small = torch.full((2**18,), float(rank)), torch.full((4,), 10.0 * rank, dtype=torch.float64)
+    with torch.inference_mode():  # blocking inside the mode first: the pool's memory is made there
+        collective.mean_([torch.full((8,), float(rank))])
+        frozen = torch.full((4,), float(rank))  # an inference tensor, averaged only inside the mode
+        handle = collective.mean_([big, small], async_op=True)
+        frozen_handle = collective.mean_([frozen], async_op=True)
+    handle.wait()  # outside the mode: one bucket divides into its tensor, the other is divided in its buffer
+    frozen_handle.wait()
+    again = [torch.full((8,), float(rank)), torch.full((4,), 10.0 * rank, dtype=torch.float64)]
+    collective.mean_(again)  # outside the mode, on the pool's memory and spares made inside it
+    collective.mean_(again, async_op=True).wait()
+    return big[0].item(), small.tolist(), frozen.tolist(), again[0][0].item(), again[1].tolist()
+
+
+def test_an_averaging_started_in_inference_mode_and_waited_outside_writes_every_result():
+    # its staging buffers were inference tensors: outside the mode the second bucket's division raised,
+    # after the first bucket was written (a partial result and a raw RuntimeError)
+    for big, small, frozen, again, again_small in run_workers(_averaged_across_inference_mode, 2):
+        assert big == 0.5 and small == [5.0] * 4 and frozen == [0.5] * 4
+        assert again == 0.5 and again_small == [5.0] * 4
+
+
+def test_a_write_back_that_raises_is_a_collective_error_saying_what_was_written(monkeypatch):
+    from puredist import _staged
+    from puredist._staged import StagingPool, run_staged
+
+    real = _staged._Bucket.write_back
+
+    def third_fails(bucket):
+        if bucket.position == 2:
+            raise RuntimeError("injected write-back failure")
+        real(bucket)
+
+    monkeypatch.setattr(_staged._Bucket, "write_back", third_fails)
+    for async_op in (False, True):
+        tensors, handles = [torch.arange(40.0)], []  # 160 bytes: 5 buckets of 32
+
+        def run():
+            handles.append(run_staged(tensors, 64, lambda buffer: _Done(), what="test", async_op=async_op,
+                                      pack=True, pool=StagingPool(1024)))
+            handles[-1].wait()  # (a blocking run raises before)
+
+        with pytest.raises(CollectiveError, match=r"bucket 3 of 5.*elements \[0, 16\)") as error:
+            run()
+        assert error.value.completed_elements == (16,)
+        if async_op:  # the handle stays failed, with the same error
+            with pytest.raises(CollectiveError) as again:
+                handles[0].wait()
+            assert again.value is error.value and not handles[0].is_completed() and handles[0].error is error.value

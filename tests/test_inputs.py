@@ -159,3 +159,67 @@ def test_an_inference_tensor_over_memory_checked_in_inference_mode_is_refused_ou
         puredist.average_([normal], collective=SimulatedCollective(2))  # checked and cached inside the mode
         frozen = torch.from_numpy(memory)  # an inference tensor at the same address, of the same metadata
     _refused([frozen], r"leaf 0 .*inference tensor")
+
+
+def test_a_negated_view_is_refused_before_anything_is_averaged():
+    # z.conj().imag is a real tensor with the negative bit: torch's multi-tensor copy cannot write it
+    z = torch.randn(2, 3, dtype=torch.complex64)
+    _refused([torch.randn(2, 4), z.conj().imag], r"leaf 1 .*negated view.*tensor it views")
+
+
+def test_a_nested_tensor_is_refused_by_name():
+    with pytest.warns(UserWarning, match="nested"):
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    plain = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"Arg ``tensors``: tensor 1 is a nested tensor"):
+        SimulatedCollective(2).mean_([plain, nested])
+
+
+def _a_nested_view_at_a_checked_address(rank, world_size):
+    buffer = torch.zeros(2, 5)
+    puredist.average_([buffer], collective=SimulatedCollective(2))  # this address's layout is now known
+    nested = torch._nested_view_from_buffer(buffer.view(-1), torch.tensor([[4], [6]]), torch.tensor([[1], [1]]),
+                                            torch.tensor([0, 4]))
+    assert nested.data_ptr() == buffer.data_ptr()
+    with pytest.raises(ValueError, match="tensor 0 is a nested tensor"):
+        SimulatedCollective(2).mean_([nested])
+    return True
+
+
+def test_a_nested_tensor_at_the_address_of_a_checked_tensor_is_refused():
+    # the layout cache's guard read the nested tensor's strides, which aborted the process
+    assert run_workers(_a_nested_view_at_a_checked_address, 1) == [True]
+
+
+def _one_rank_passes_a_nested_tensor(rank, world_size):
+    import time
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*nested")
+    tensor = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]) if rank == 1 else torch.zeros(5)
+    started = time.perf_counter()
+    expected = ValueError if rank == 1 else puredist.RankMismatchError
+    with pytest.raises(expected, match="nested tensor"):
+        DistributedCollective().mean_([tensor])
+    if rank == 1:
+        time.sleep(8)  # alive: its peer must not wait for it
+    return time.perf_counter() - started
+
+
+def test_a_nested_tensor_on_one_rank_makes_its_peers_raise_at_once():
+    # the layout cache read its shape first ("Internal error"): no refusal reached the peer, which waited
+    seconds = run_workers(_one_rank_passes_a_nested_tensor, 2, gloo_timeout=20, timeout=40)
+    assert seconds[0] < 5, seconds
+
+
+def test_column_slices_of_a_large_matrix_are_averaged_and_overlapping_ones_refused():
+    # their common byte range spans 16M elements: beyond the element-by-element comparison
+    base = torch.randn(2, 2048, 4096)
+    left, right = base[:, :, :2048], base[:, :, 2048:]
+    expected = [v.mean(0, keepdim=True).expand_as(v).clone() for v in (left, right)]
+    puredist.average_([left, right], collective=SimulatedCollective(2))
+    assert torch.equal(left, expected[0]) and torch.equal(right, expected[1])
+    _refused([base[:, :, :2049], base[:, :, 2048:]], r"leafs 0 and 1 share memory")
+    _refused([base[:, :, 1::2], base[:, :, 3::2]], r"leafs 0 and 1 share memory")  # shifted by one column pair
+    odd, even = base[:, :, 1::2], base[:, :, ::2]
+    puredist.average_([odd, even], collective=SimulatedCollective(2))

@@ -117,3 +117,23 @@ def test_a_restart_mid_synchronization_continues_the_same_trajectory(how, comm_d
     """``comm_dtype=None``: a flat fragment's in-flight views are saved per leaf and
     loaded per leaf (the per-leaf path applies them), then flat again."""
     assert run_workers(_resume, 2, how, str(tmp_path), comm_dtype) == [True, True]
+
+
+def _diloco_with_a_scalar_parameter(rank, world_size):
+    # outer SGD with rate 1 and no momentum: the new global copy is the mean of the ranks' parameters
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.tensor(2.0))]
+    diloco = puredist.outer_optimizer(puredist.sgd(1.0), sync_every=1)
+    state = diloco.init(params)
+    with torch.no_grad():
+        for p in params:
+            p.add_(float(rank))
+    state = diloco.update_(params, state, collective=puredist.DistributedCollective())
+    puredist.DistributedCollective().check_replicated(params, what="the synchronized parameters")
+    return [p.detach().clone() for p in params]
+
+
+def test_a_model_with_a_scalar_parameter_synchronizes():
+    # the initial copy's check digested each tensor's bytes through a view that a 0-dim tensor has not
+    mean = sum(range(3)) / 3
+    for ones, scalar in run_workers(_diloco_with_a_scalar_parameter, 3):
+        assert torch.equal(ones, torch.full((3,), 1.0 + mean)) and torch.equal(scalar, torch.tensor(2.0 + mean))

@@ -146,5 +146,5 @@ def check_same_values_on_all_ranks(
 
 
 def _value_digest(tensor: torch.Tensor) -> int:
-    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()  # (0-dim too)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)

@@ -4,16 +4,18 @@ A tensor that cannot be averaged correctly is refused with a message naming its
 position and the reason, before any collective is issued, so an unsupported tensor
 late in a list can never leave the earlier ones averaged and the later ones not:
 
-- sparse (and other non-strided) layouts, ``meta`` tensors (no data), float8 and
-  integer or bool dtypes;
+- sparse (and other non-strided) layouts, nested and ``meta`` tensors (no data),
+  float8 and integer or bool dtypes;
 - a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
   mean would write one memory location several times;
 - two tensors sharing memory (the same tensor passed twice, or overlapping views):
   each would be reduced from values the other has already replaced (views that
   interleave without a common element, such as a matrix's column slices, are told
-  apart element by element up to :data:`_EXACT_SPAN` elements);
+  apart exactly where both step through memory alike, else element by element up to
+  :data:`_EXACT_SPAN` elements);
 - an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
-  it there), and a conjugate view of a complex tensor (it has no real view).
+  it there), a conjugate view of a complex tensor (it has no real view) and a
+  negated view (``z.conj().imag``: torch's multi-tensor copy cannot write it).
 
 Complex tensors are averaged as their real view (real and imaginary parts are
 averaged independently, which is the complex mean). A DTensor is averaged as its
@@ -219,6 +221,9 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
             raise TypeError(
                 f"Arg ``{arg}`` must be a pytree of tensors; {noun} {position} is {type(tensor).__name__}: {tensor!r}."
             )
+        if tensor.is_nested:  # (before its label: a nested tensor has no shape)
+            raise ValueError(f"Arg ``{arg}``: {noun} {position} is a nested tensor; only dense tensors can be averaged "
+                             "(average its components, or its values buffer).")
         check_not_pending(tensor, arg, lambda: _label(noun, position, tensor))
         local = local_shard(tensor) if in_place else tensor
         if local.layout != torch.strided:
@@ -245,6 +250,12 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
                 "torch.inference_mode()): torch allows writing it only in inference mode; average it inside "
                 "torch.inference_mode(), or pass a clone made outside it."
             )
+        if local.is_neg():
+            raise ValueError(
+                f"Arg ``{arg}``: {_label(noun, position, tensor)} is a negated view (e.g. z.conj().imag), which "
+                "torch's multi-tensor copy cannot write; average the tensor it views instead (the mean of the "
+                "negations is the negation of the mean)."
+            )
         if _may_overlap_itself(local):
             raise ValueError(
                 f"Arg ``{arg}``: {_label(noun, position, tensor)} has overlapping elements (strides {local.stride()}, "
@@ -268,7 +279,12 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     size = a.element_size()
     (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
     start, end = min(a_start, b_start), max(a_end, b_end)
-    if b.element_size() != size or (a_start - b_start) % size or (end - start) // size > _EXACT_SPAN:
+    if b.element_size() != size or (a_start - b_start) % size:
+        return True
+    exact = _share_on_one_lattice(a, b, (b_start - a_start) // size)
+    if exact is not None:
+        return exact
+    if (end - start) // size > _EXACT_SPAN:
         return True
     grid = torch.arange((end - start) // size)  # the common range's elements, numbered
 
@@ -276,6 +292,47 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         return grid.as_strided(tensor.shape, tensor.stride(), (first - start) // size).reshape(-1)
 
     return bool(torch.isin(elements(a, a_start), elements(b, b_start)).any())
+
+
+def _share_on_one_lattice(a: torch.Tensor, b: torch.Tensor, offset: int) -> bool | None:
+    """Whether ``a`` and ``b`` (same element size; ``b`` starts ``offset`` elements
+    after ``a``) have an element in common, where both step through memory with the
+    same strides (column slices of one matrix, of any size); ``None`` elsewhere, or
+    where the search below would take more than :data:`_LATTICE_STEPS` steps.
+
+    An element is shared iff ``offset = sum_d k_d * stride_d`` for some index
+    differences ``-(b.shape[d] - 1) <= k_d <= a.shape[d] - 1``. Largest stride first,
+    only the ``k_d`` that leave a remainder the smaller strides can still reach are
+    tried: one or two per dimension for views of one tensor."""
+    if a.stride() != b.stride():
+        return None
+    dims = sorted((stride, n - 1, m - 1) for stride, n, m in zip(a.stride(), a.shape, b.shape) if n > 1 or m > 1)
+    reach = []  # per dimension: the lowest and highest sum the smaller strides' terms reach
+    low = high = 0
+    for stride, up, down in dims:
+        reach.append((low, high))
+        low, high = low - down * stride, high + up * stride
+    steps = [0]
+
+    def solvable(d: int, rest: int) -> bool | None:
+        if d < 0:
+            return rest == 0
+        steps[0] += 1
+        if steps[0] > _LATTICE_STEPS:
+            return None
+        (stride, up, down), (low, high) = dims[d], reach[d]
+        undecided = False
+        for k in range(max(-down, -((high - rest) // stride)), min(up, (rest - low) // stride) + 1):
+            found = solvable(d - 1, rest - k * stride)
+            if found:
+                return True
+            undecided = undecided or found is None
+        return None if undecided else False
+
+    return solvable(len(dims) - 1, offset)
+
+
+_LATTICE_STEPS = 256
 
 
 def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:

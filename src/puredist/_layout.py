@@ -98,6 +98,8 @@ PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 _SPEC = operator.attrgetter("_spec")
 
+_IS_NESTED = operator.attrgetter("is_nested")
+
 
 def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[torch.Tensor], tuple | None] | None:
     """``(key, the tensors the guard checks, the DTensor specs)`` of ``tensors``: for
@@ -105,7 +107,7 @@ def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[tor
     local shards' addresses, the shards and each DTensor's spec (mesh, placements,
     global shape and stride, which decide the rest of a layout). ``None`` when they
     are not to be cached: a mix of kinds, other subclasses, non-tensors, sparse or
-    functorch-wrapped tensors (no storage to key on)."""
+    functorch-wrapped tensors (no storage to key on), nested tensors (no shape)."""
     kinds = set(map(type, tensors))
     if kinds <= PLAIN_TYPES:
         guarded, specs = tensors, None
@@ -114,6 +116,8 @@ def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[tor
         if not set(map(type, guarded)) <= PLAIN_TYPES:
             return None
     else:
+        return None
+    if any(map(_IS_NESTED, guarded)):  # (a guard's check of a nested tensor aborts the process)
         return None
     try:
         return tuple(map(torch.Tensor.data_ptr, guarded)), guarded, specs

@@ -288,6 +288,7 @@ class CollectiveHandle:
     def __init__(self, staged: Sequence[tuple[_Bucket, _Progress]] = ()) -> None:
         self._staged = list(staged)
         self._error: CollectiveError | None = None
+        self._inference_mode = torch.is_inference_mode_enabled()  # the results are written back in the call's mode
 
     @classmethod
     def merged(cls, handles: Sequence["CollectiveHandle"]) -> "CollectiveHandle":
@@ -305,8 +306,10 @@ class CollectiveHandle:
         return self._error
 
     def wait(self) -> None:
-        """Wait for every collective, then write every result back — or, if one
-        failed, write nothing and raise :class:`CollectiveError` (again on every call)."""
+        """Wait for every collective, then write every result back (in the inference
+        mode the collectives were started in) — or, if one failed, write nothing and
+        raise :class:`CollectiveError` (again on every call). Should writing a result
+        back fail, the error says which buckets were written."""
         if self._error is not None:
             raise self._error
         for bucket, progress in self._staged:
@@ -315,9 +318,14 @@ class CollectiveHandle:
             except Exception as cause:  # noqa: BLE001 - the backend's error, re-raised with what it left
                 self._error = progress.error(bucket.position, cause)
                 raise self._error from cause
-        for bucket, progress in self._staged:
-            bucket.write_back()
-            progress.written()
+        with torch.inference_mode(self._inference_mode):  # (inference tensors are written only in it)
+            for bucket, progress in self._staged:
+                try:
+                    bucket.write_back()
+                except Exception as cause:  # noqa: BLE001 - say what was written: the buckets before
+                    self._error = progress.error(bucket.position, cause)
+                    raise self._error from cause
+                progress.written()
         self._staged = []
 
 
@@ -364,7 +372,7 @@ class StagingPool:
             spare = spares.pop()
             _after(spare.stream)
         else:
-            spare = _Spare(torch.empty(nbytes, dtype=torch.uint8, device=spec.device))
+            spare = _Spare(_staging_memory(nbytes, torch.uint8, spec.device))
         return (*spare.staged(spec), lambda: self._give_back(spare))
 
     def capacity(self, device: torch.device) -> int:
@@ -387,7 +395,7 @@ class StagingPool:
         """Make the buffer on ``device`` hold ``min(nbytes, capacity)`` bytes; return its size."""
         size = min(_aligned(nbytes), self.capacity(device))
         if device not in self._memory or self._memory[device].numel() < size:
-            self._memory[device] = torch.empty(size, dtype=torch.uint8, device=device)
+            self._memory[device] = _staging_memory(size, torch.uint8, device)
             self._views = {}
         else:
             _after(self._last_stream.get(device))
@@ -426,6 +434,14 @@ class StagingPool:
 
     def buffer(self, device: torch.device, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self._memory[device][offset : offset + nbytes].view(dtype)
+
+
+def _staging_memory(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new staging buffer: never an inference tensor (made inside inference mode it
+    would be one, which torch lets no one write outside it, where the buffer is
+    reused or its results written back)."""
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _stream_of(device: torch.device):
@@ -546,9 +562,9 @@ def run_staged(
         bucket, _ = pending.popleft()
         try:
             bucket.wait()
+            bucket.write_back()
         except Exception as cause:  # noqa: BLE001 - re-raised with what was left
             raise failed(bucket.position, cause) from cause
-        bucket.write_back()
         progress.written()
 
     for spec in specs:
@@ -582,5 +598,5 @@ def _staging_bytes(specs: Sequence[BucketSpec]) -> dict[torch.device, int]:
 
 
 def _fresh_buffer(spec: BucketSpec) -> tuple[torch.Tensor, list[torch.Tensor], None]:
-    buffer = torch.empty(spec.bucket.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=spec.device)
+    buffer = _staging_memory(spec.bucket.nbytes // spec.dtype.itemsize, spec.dtype, spec.device)
     return buffer, spec.views(buffer), None
