@@ -26,8 +26,9 @@ runs during DDP's backward. Differences on purpose:
 - ``Join`` is refused with the overlap (DDP's join hook calls the communication hook
   outside any backward pass); the non-overlapped optimizer supports it.
 
-``hook_with_zero_step`` steps every bucket once the backward computation is over
-(overlapping the outstanding all-reduces and the broadcasts);
+``hook_with_zero_step`` steps every bucket once the backward computation is over, in
+one call of the local optimizer (overlapping the outstanding all-reduces and the
+broadcasts);
 ``hook_with_zero_step_interleaved`` steps bucket ``i`` as soon as the hook for bucket
 ``i + 1`` runs, overlapping the step with the rest of the backward computation.
 """
@@ -84,29 +85,37 @@ class _OverlappedIteration:
         params = self._zero._all_params
         self._launched.append((future, indices, [params[i].grad is not None for i in indices]))
         while self._interleaved and not self._after_ddp and len(self._launched) > 1:
-            self._step(*self._launched.popleft())
+            self._step(self._launched.popleft())
 
-    def _step(self, future: torch.futures.Future, indices: list[int], has_grad: list[bool]) -> None:
-        reduced = future.wait()
-        flat = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+    def _step(self, *buckets: tuple[torch.futures.Future, list[int], list[bool]]) -> None:
+        """Step the parameters of ``buckets`` (each ``(future, indices, has_grad)``)
+        with their reduced gradients, in one call of the local optimizer, and start
+        their owners' broadcasts."""
         params = self._zero._all_params
         grads: list[torch.Tensor | None] = [None] * len(params)
-        pieces = flat.split([params[i].numel() for i in indices])
-        for i, piece, used in zip(indices, pieces, has_grad):
-            if used:
-                grads[i] = piece.as_strided(*self._shapes[i], piece.storage_offset())
-        self._broadcasts.append(self._zero._step_(grads, indices))
-        self._stepped.extend(indices)
+        stepped: list[int] = []
+        for future, indices, has_grad in buckets:
+            reduced = future.wait()
+            flat = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+            pieces = flat.split([params[i].numel() for i in indices])
+            for i, piece, used in zip(indices, pieces, has_grad):
+                if used:
+                    grads[i] = piece.as_strided(*self._shapes[i], piece.storage_offset())
+            stepped.extend(indices)
+        self._broadcasts.append(self._zero._step_(grads, stepped))
+        self._stepped.extend(stepped)
 
     def _finish(self) -> None:
-        """At the end of the backward: step the buckets left (with a static graph,
-        after DDP's own end of backward, queued after this callback)."""
+        """At the end of the backward: step the buckets left, together (one call of
+        the local optimizer, whose fixed cost a GPU's host pays per call; with a
+        static graph, after DDP's own end of backward, queued after this callback)."""
         self._finish_queued = False
         if self._after_ddp:
             torch.autograd.Variable._execution_engine.queue_callback(self._step_with_ddps_grads)
             return
-        while self._launched:
-            self._step(*self._launched.popleft())
+        if self._launched:
+            self._step(*self._launched)
+            self._launched.clear()
         self._end()
 
     def _step_with_ddps_grads(self) -> None:
