@@ -233,3 +233,28 @@ def _hook_registered_again_after_training(rank, world_size):
 
 def test_a_trained_zero_refuses_a_new_plan_on_every_rank_also_one_owning_nothing():
     assert run_workers(_hook_registered_again_after_training, 2, timeout=60, gloo_timeout=20) == [True, True]
+
+
+def _local_steps_per_iteration(rank, world_size):
+    counts = {}
+    for hook_name in HOOKS:
+        torch.manual_seed(0)
+        model = ddp(nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]), False, False)  # a bucket per layer
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
+        model.register_comm_hook(None, HOOKS[hook_name](allreduce_hook, model, zero))
+        calls = []
+        step = zero.optim.step
+        zero.optim.step = lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs)
+        for iteration in range(3):
+            calls.clear()
+            model(torch.randn(4, 16)).sum().backward()
+            zero.zero_grad()
+        counts[hook_name] = len(calls)
+    return counts
+
+
+def test_the_plain_hook_calls_the_local_optimizer_once_per_iteration():
+    # each call of a torch optimizer has a fixed host cost: the plain hook, which steps at the end of the
+    # backward, steps every bucket in one call (it called it once per DDP bucket this rank owns)
+    for counts in run_workers(_local_steps_per_iteration, 2):
+        assert counts["plain"] == 1 and counts["interleaved"] > 2, counts  # (interleaved: per bucket, in backward)
