@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from launched import assert_ran, with_exit_marker
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -15,7 +17,7 @@ def torchrun(script, *args, ranks=2):
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          str(ROOT / "examples" / script), *args],
-        capture_output=True, text=True, timeout=180, env=ENV, cwd=ROOT,
+        capture_output=True, text=True, timeout=180, env=with_exit_marker(ENV), cwd=ROOT,
     )
 
 
@@ -29,14 +31,14 @@ def torchrun(script, *args, ranks=2):
 )
 def test_launched_examples_run(script, expected):
     done = torchrun(script, "--steps", "30")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ran(done)
     assert expected in done.stdout
 
 
 def test_diloco_over_fsdp2_runs_and_checkpoints(tmp_path):
     done = torchrun("diloco_fsdp2.py", "--steps", "12", "--sync-every", "4", "--shards", "2",
                     "--checkpoint", str(tmp_path / "checkpoint"), ranks=4)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_ran(done)
     assert "done on 4 ranks" in done.stdout and "1/2 of the model" in done.stdout
     assert (tmp_path / "checkpoint" / ".metadata").is_file()
     assert "returned a view tensor" not in done.stderr
@@ -57,7 +59,7 @@ def test_the_fault_tolerant_example_runs_per_replica_group_under_torchrun():
     lighthouse = lighthouse_server(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, quorum_tick_ms=20,
                                    heartbeat_timeout_ms=1000)
     try:
-        env = {**ENV, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "error"}
+        env = with_exit_marker({**ENV, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "error"})
         groups = [
             subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
@@ -70,7 +72,7 @@ def test_the_fault_tolerant_example_runs_per_replica_group_under_torchrun():
     finally:
         lighthouse.shutdown()
     for group, (out, err) in zip(groups, outputs):
-        assert group.returncode == 0, out + err
+        assert_ran(subprocess.CompletedProcess(group.args, group.returncode, out, err))
     finals = [out.strip().splitlines()[-1] for out, _ in outputs]  # the same global copy in both groups
     assert finals[0] == finals[1] and finals[0].startswith("step 42: global copy digest")  # syncs at 1, 21, 41
     assert "2 replica group(s) contributed, 0 failed synchronizations, 0 heals" in finals[0]

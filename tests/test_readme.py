@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from launched import assert_ran, with_exit_marker
 from puredist.demo.network import LINKS
 from puredist.demo.report import projection_table, table
 
@@ -29,9 +30,9 @@ def test_python_blocks_run_as_copied_into_a_file(index, tmp_path):
     distributed = "torch.distributed" in code
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"] if distributed \
         else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = with_exit_marker({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
     done = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_ran(done)
 
 
 def test_shell_blocks_use_real_targets_and_files():
