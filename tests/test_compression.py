@@ -307,3 +307,23 @@ def test_a_rank_with_a_bad_state_or_codec_makes_its_peers_raise_at_once(case):
         assert bad == "RankMismatchError" and "int8_blocks(8)" in bad_message
     else:
         assert bad in ("ValueError", "TypeError") and ("residual" in bad_message or "int64" in bad_message), bad_message
+
+
+def _outside_the_group(rank, world_size):
+    import torch.distributed as dist
+
+    collective = puredist.DistributedCollective(dist.new_group([0]))
+    averager = compressed_averager(int8_blocks(4))
+    x = torch.full((6,), float(rank))
+    state = averager.init(x)
+    state = state._replace(residuals=tuple(torch.full_like(r, 0.25) for r in state.residuals))
+    mean, new = averager.update(x, state, collective=collective)
+    for tensor in (mean, *new.residuals):
+        tensor.add_(1)  # a later in-place step on the outputs
+    return torch.equal(x, torch.full((6,), float(rank))) and all(torch.equal(r, torch.full_like(r, 0.25))
+                                                                for r in state.residuals)
+
+
+def test_a_rank_outside_the_group_returns_tensors_of_its_own():
+    # a rank outside the collective's group returned the residuals passed in as its new state's
+    assert run_workers(_outside_the_group, 2) == [True, True]

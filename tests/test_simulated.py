@@ -115,11 +115,16 @@ def test_the_simulated_backend_rejects_bad_shapes_before_writing_anything():
     collective = SimulatedCollective(4)
     good, bad = torch.randn(4, 2), torch.randn(3, 2)
     copy = good.clone()
-    with pytest.raises(ValueError, match=r"leading replica axis of size 4, got shape \(3, 2\)"):
+    with pytest.raises(ValueError, match=r"tensor 1 has shape \(3, 2\); simulated, every tensor is stacked \[4, "):
         collective.mean_([good, bad])
     assert torch.equal(good, copy)
     with pytest.raises(ValueError, match="group_size.*3 must divide.*4"):
         collective.mean_([good], group_size=3)
+    with pytest.raises(ValueError, match=r"group_size.*2.0 must divide"):  # a float: refused by name, not inside
+        puredist.average_([good], collective=collective, group_size=2.0)
+    with pytest.raises(ValueError, match=r"Arg ``params``: tensor 0 has shape \(3, 2\)"):
+        averager = puredist.compressed_averager(puredist.int8_blocks())
+        averager.update([bad], averager.init([bad]), collective=collective)
     with pytest.raises(ValueError, match="num_replicas.*0"):
         SimulatedCollective(0)
 

@@ -317,7 +317,7 @@ def _bad_input(rank, world_size):
 
 def test_bad_input_gets_clear_errors():
     errors = run_workers(_bad_input, 2)[0]
-    assert errors["not an optimizer"][0] == "ValueError" and "optimizer_class" in errors["not an optimizer"][1]
+    assert errors["not an optimizer"][0] == "TypeError" and "optimizer_class" in errors["not an optimizer"][1]
     kind, message = errors["overlap without a per-parameter step"]
     assert kind == "ValueError" and "NAdam" in message and "torch.optim.Adagrad" in message
     assert errors["sparse"][0] == "ValueError" and "sparse_coo" in errors["sparse"][1]

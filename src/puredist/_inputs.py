@@ -32,7 +32,7 @@ import torch
 from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
 from puredist._layout import Layout, layout_of
 
-_FLOAT8 = tuple(
+FLOAT8 = tuple(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
@@ -232,7 +232,7 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
         if local.is_meta:
             raise ValueError(f"Arg ``{arg}``: {_label(noun, position, tensor)} is a meta tensor: it holds no values "
                              "to average.")
-        if local.dtype in _FLOAT8:
+        if local.dtype in FLOAT8:
             raise TypeError(
                 f"Arg ``{arg}``: {_label(noun, position, tensor)}: float8 cannot be summed portably by the backends; "
                 "average a bf16 or fp16 copy instead."

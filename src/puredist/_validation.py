@@ -9,6 +9,8 @@ This module must not touch tensors or process groups.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import warnings
 from typing import Sequence
 
@@ -25,6 +27,12 @@ _MAX_PERIOD_ONE_WARNING = (
     "by DistributedDataParallel in the backward pass. Therefore, only "
     "DistributedDataParallel should be used for this case."
 )
+
+
+def as_int(value):
+    """``value`` as an int where it is an integral number other than a bool (numpy's
+    included, which torch's classes take), else as it is (the checks refuse it)."""
+    return operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def _check_int(name: str, value: object) -> None:
@@ -84,15 +92,16 @@ def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, 
     ``whole`` names what has ``world_size`` ranks (``"arg ``process_group``"``)."""
     for size in group_sizes:
         _check_int(arg, size)
+    if group_sizes[-1] != world_size:  # (first, as torch checks it)
+        raise ValueError(
+            f"The last value in arg ``{arg}`` {group_sizes[-1]} must be equal to the size of {whole} {world_size}."
+        )
+    for size in group_sizes:
         if size < 1 or world_size % size != 0:
             raise ValueError(
                 f"Every group size in arg ``{arg}`` must be a positive divisor of the group's size "
                 f"{world_size}, got {size}."
             )
-    if group_sizes[-1] != world_size:
-        raise ValueError(
-            f"The last value in arg ``{arg}`` {group_sizes[-1]} must be equal to the size of {whole} {world_size}."
-        )
 
 
 def check_bucket_cap_bytes(bucket_cap_bytes: int) -> None:

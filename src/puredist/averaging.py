@@ -30,7 +30,7 @@ from puredist._validation import (
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
-from puredist.collectives import Collective, CollectiveHandle, refuse_on_all_ranks
+from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refuse_on_all_ranks
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
@@ -121,6 +121,7 @@ def average_(
         CollectiveError: an all-reduce failed; every element holds its old value or
             its mean, as the error details.
     """
+    check_is_collective(collective)
     leaves, _ = _leaves_or_refusal(params, collective, group_size, "", in_place=True)
     return collective.mean_(leaves, group_size=group_size, async_op=async_op)
 
@@ -134,6 +135,7 @@ def average(params: PyTree, *, collective: Collective, group_size: int | None = 
     Under ``torch.func.vmap`` over simulated ranks, pass a
     :class:`~puredist.VmapCollective`.
     """
+    check_is_collective(collective)
     leaves, spec = _leaves_or_refusal(params, collective, group_size, "", in_place=False)
     return tree_unflatten(spec, collective.mean(leaves, group_size=group_size))
 
@@ -198,6 +200,7 @@ def _scheduled_averager(
         return AveragerState(step=0)
 
     def leaves_of(params: PyTree, state: AveragerState, collective: Collective, *, in_place: bool):
+        check_is_collective(collective)
         due, group_size = decide(state.step)
         context = _ScheduleStep(schedule, state.step)
         if due:
@@ -264,6 +267,7 @@ def hierarchical_averager(period_group_sizes: Mapping[int, int], warmup_steps: i
         warmup_steps: steps before the first averaging.
 
     Raises:
+        TypeError: ``period_group_sizes`` not a mapping, or a period not an int.
         ValueError: empty or unordered periods, non-positive period, negative warmup;
             at update, a group size the collective cannot average within.
 
@@ -279,6 +283,8 @@ def hierarchical_averager_warning_at(
     """:func:`hierarchical_averager`, its warning attributed as
     :func:`periodic_averager_warning_at`'s (the warning comes before the warm-up's
     check, as torch's)."""
+    if not isinstance(period_group_sizes, Mapping):
+        raise TypeError(f"Arg ``period_group_sizes`` must be a mapping {{period: group_size}}, got {period_group_sizes!r}.")
     periods = tuple(period_group_sizes)
     check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())

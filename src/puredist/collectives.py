@@ -132,6 +132,16 @@ class Collective(Protocol):
         ...
 
 
+def check_is_collective(collective: object) -> None:
+    """Raise ``TypeError`` unless ``collective`` is a :class:`Collective` (has ``mean_``):
+    a process group passed instead is the usual mistake."""
+    if not callable(getattr(collective, "mean_", None)):
+        raise TypeError(
+            "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
+            f"...), got {type(collective).__name__}: {collective!r}."
+        )
+
+
 def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_size: int | None = None,
                         context: object = "") -> None:
     """This rank's refusal for ``error`` (a ``TypeError`` or ``ValueError`` found in its
@@ -265,8 +275,12 @@ class DistributedCollective:
         using them.
 
         Raises:
-            ValueError: a size does not divide the group's size (from torch).
+            ValueError: a size that is not a positive int, or does not divide the
+                group's size (from torch).
         """
+        for size in group_sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"Arg ``group_sizes`` must hold positive ints, got {list(group_sizes)!r}.")
         whole = process_group if process_group is not None else dist.group.WORLD
         return cls(process_group, subgroups=subgroups_of(whole, group_sizes), **kwargs)
 
@@ -306,7 +320,7 @@ class DistributedCollective:
 
     def _group(self, group_size: int | None) -> dist.ProcessGroup:
         size = self._world_size if group_size is None else group_size
-        if size not in self._groups:
+        if isinstance(size, bool) or not isinstance(size, int) or size not in self._groups:
             raise ValueError(
                 f"Arg ``group_size`` {group_size} has no process group here; this "
                 f"collective averages within groups of sizes {self.group_sizes} "
@@ -528,7 +542,7 @@ class ReplicaGroups:
     def _size(self, group_size: int | None) -> int:
         """``group_size`` resolved (``None``: all replicas) and checked."""
         size = self.num_replicas if group_size is None else group_size
-        if size not in self.group_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size not in self.group_sizes:
             raise ValueError(
                 f"Arg ``group_size`` {group_size} must divide the number of replicas {self.num_replicas}."
             )
@@ -587,13 +601,18 @@ class SimulatedCollective(ReplicaGroups):
 
     def _checked_size(self, tensors: Sequence[torch.Tensor], group_size: int | None) -> int:
         size = self._size(group_size)
-        for tensor in tensors:
+        self.check_stacked(tensors)
+        return size
+
+    def check_stacked(self, tensors: Sequence[torch.Tensor], *, arg: str = "tensors") -> None:
+        """Raise ``ValueError`` naming ``arg`` unless every tensor is stacked
+        ``[num_replicas, *shape]`` (one row per simulated rank)."""
+        for position, tensor in enumerate(tensors):
             if tensor.dim() == 0 or tensor.shape[0] != self.num_replicas:
                 raise ValueError(
-                    f"Every tensor needs a leading replica axis of size {self.num_replicas}, "
-                    f"got shape {tuple(tensor.shape)}."
+                    f"Arg ``{arg}``: tensor {position} has shape {tuple(tensor.shape)}; simulated, every tensor is "
+                    f"stacked [{self.num_replicas}, *shape] (one row per rank)."
                 )
-        return size
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from puredist._consistency import REFUSED, RankMismatchError, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
-from puredist._inputs import _FLOAT8
+from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
 from puredist._staged import CollectiveError, nothing_changed
@@ -89,15 +89,18 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"Arg ``block_size`` must be a positive int, got {block_size!r}.")
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` zero-padded into rows of ``block_size``, and each row's scale divisor."""
-    padded = torch.nn.functional.pad(x, (0, -x.numel() % block_size)).view(-1, block_size)
+def _blocks(x: torch.Tensor, block_size: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` zero-padded into rows of ``block_size``, and each row's scale divisor. A
+    block longer than ``x`` shrinks to ``x`` (rounded up to a ``multiple``): the same
+    one scale, without sending the padding."""
+    block = min(block_size, max(multiple, -(-x.numel() // multiple) * multiple))
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
     return padded, padded.abs().amax(dim=1, keepdim=True)
 
 
-def _quantized(x: torch.Tensor, block_size: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized(x: torch.Tensor, block_size: int, levels: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Integers in ``[-levels, levels]`` per block and the fp32 scales."""
-    padded, absmax = _blocks(x, block_size)
+    padded, absmax = _blocks(x, block_size, multiple)
     scales = absmax / levels
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(padded / safe).clamp_(-levels, levels), scales
@@ -133,13 +136,14 @@ def int4_blocks(block_size: int = 128) -> Compressor:
         raise ValueError(f"Arg ``block_size`` must be even (two values a byte), got {block_size}.")
 
     def encode(x: torch.Tensor) -> Payload:
-        q, scales = _quantized(x, block_size, 7)
+        q, scales = _quantized(x, block_size, 7, multiple=2)
         nibbles = (q + 8).to(torch.uint8).view(-1, 2)
         return nibbles[:, 0] | (nibbles[:, 1] << 4), scales.flatten()
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
         packed, scales = payload
-        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1, block_size)
+        block = 2 * packed.numel() // max(scales.numel(), 1)  # (a block each scale)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1, max(block, 2))
         return ((nibbles.float() - 8) * scales[:, None]).flatten()[:numel]
 
     return Compressor(f"int4_blocks({block_size})", encode, decode)
@@ -229,6 +233,8 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layo
     once per ``layout``, theirs); True if simulated."""
     layout.derived("compressible", lambda: _check_leaves(leaves))
     simulated = isinstance(collective, SimulatedCollective)
+    if simulated:
+        collective.check_stacked(leaves, arg="params")
     if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective):
         raise TypeError(
             "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective or a collective that gathers "
@@ -308,9 +314,9 @@ def compressed_mean(
         refuse_on_all_ranks(collective, error, context=context)
         raise
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
-        return [leaf.detach().clone() for leaf in leaves], [local_shard(r) for r in residuals]
+        return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
     if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
-            and leaves[0].dtype not in _FLOAT8:  # (no multi-tensor kernel copies float8)
+            and leaves[0].dtype not in FLOAT8:  # (no multi-tensor kernel copies float8)
         return _compressed_mean_plain(leaves, residuals, compressor, collective, context)
     count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
     given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
@@ -477,6 +483,12 @@ def _two_phase_mean(
     return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
 
 
+def check_compressor(compressor: object) -> None:
+    """Raise ``TypeError`` unless ``compressor`` is a :class:`Compressor`."""
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
+
+
 def compressed_averager(compressor: Compressor) -> CompressedAverager:
     """Average pytrees over all ranks with ``compressor``'s payloads and error feedback.
 
@@ -492,10 +504,13 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
         A :class:`CompressedAverager`. ``update`` is pure: the inputs and the state
         passed in are never written, so a failed collective changes nothing.
 
-    Raises (at ``update``):
-        TypeError: a non-floating-point leaf, or another kind of collective.
-        RankMismatchError: ranks pass different layouts or are at different steps.
+    Raises:
+        TypeError: ``compressor`` is not a :class:`Compressor`; at ``update``, a
+            non-floating-point leaf, or another kind of collective.
+        RankMismatchError: (at ``update``) ranks pass different layouts or are at
+            different steps.
     """
+    check_compressor(compressor)
 
     def init(params: PyTree) -> CompressionState:
         """Zero residuals shaped like ``params``' leaves (fp32; a DTensor's: like its local shard)."""

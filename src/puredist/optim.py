@@ -233,8 +233,15 @@ def _check_nonnegative(name: str, value: float) -> None:
 
 
 def _check_betas(betas: Any) -> None:
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_beta, betas))):
         raise ValueError(f"Arg ``betas`` must be two numbers in [0, 1), got {betas!r}.")
+
+
+def _is_beta(value: Any) -> bool:
+    try:
+        return bool(0.0 <= value < 1.0)
+    except (TypeError, RuntimeError):  # not a number (a string, None, a tensor of several values)
+        return False
 
 
 def _check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:

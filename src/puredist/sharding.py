@@ -96,8 +96,8 @@ def _lpt(items: Sequence[tuple[int, Sequence[int]]], loads: list[int], owners: l
 
 
 def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
-    flat = sorted(i for bucket in buckets for i in bucket)
-    if flat != list(range(count)):
+    flat = [i for bucket in buckets for i in bucket]
+    if not all(isinstance(i, int) for i in flat) or sorted(flat) != list(range(count)):
         raise ValueError(
             f"Arg ``buckets`` must hold every parameter index 0..{count - 1} exactly once, got {list(buckets)!r}."
         )
@@ -158,8 +158,9 @@ def plan_zero(
         raise ValueError(f"Arg ``strategy`` must be one of {STRATEGIES}, got {strategy!r}.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
-    if any(size < 0 for size in sizes):
-        raise ValueError(f"Arg ``sizes`` must be non-negative, got {list(sizes)!r}.")
+    sizes = list(sizes)
+    if not all(isinstance(size, int) and size >= 0 for size in sizes):
+        raise ValueError(f"Arg ``sizes`` must be non-negative ints, got {sizes!r}.")
     owners = [0] * len(sizes)
     loads = list(start_loads) if start_loads is not None else [0] * world_size
     if len(loads) != world_size:
@@ -169,6 +170,7 @@ def plan_zero(
         return ZeroPlan(world_size, tuple(owners))
     if buckets is None:
         raise ValueError(f"Arg ``buckets`` is required by strategy {strategy!r}.")
+    buckets = [list(bucket) for bucket in buckets]  # (iterators are read once)
     _check_buckets(buckets, len(sizes))
     if strategy == "whole_buckets":
         _lpt([(sum(sizes[i] for i in bucket), tuple(bucket)) for bucket in buckets], loads, owners)

@@ -133,15 +133,6 @@ def wait_for_owners(handle: CollectiveHandle, leaves: Sequence[torch.Tensor], in
         ) from error
 
 
-def _check_stacked(leaves: Sequence[torch.Tensor], replicas: int, arg: str) -> None:
-    for position, leaf in enumerate(leaves):
-        if leaf.dim() == 0 or leaf.shape[0] != replicas:
-            raise ValueError(
-                f"Arg ``{arg}``: leaf {position} has shape {tuple(leaf.shape)}; simulated, every leaf is stacked "
-                f"[{replicas}, *shape] (one row per rank)."
-            )
-
-
 def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | None) -> ZeroState:
     """The state of ``rank``: optimizer state for the parameters ``plan`` gives it;
     ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
@@ -151,10 +142,10 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
         raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
     plan.check()
     if rank is None:
-        _check_stacked(leaves, plan.world_size, "params")
+        SimulatedCollective(plan.world_size).check_stacked(leaves, arg="params")
         return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
-    if not 0 <= rank < plan.world_size:
-        raise ValueError(f"Arg ``rank`` must be in [0, {plan.world_size}) (or None, simulated), got {rank}.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+        raise ValueError(f"Arg ``rank`` must be an int in [0, {plan.world_size}) (or None, simulated), got {rank!r}.")
     owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
     return ZeroState(step=0, plan=plan, owned=owned)
 
@@ -222,8 +213,8 @@ def _checked(params, grads, state: ZeroState, collective):
                 f"Arg ``state`` holds {len(state.owned)} parameter states: a simulated step needs the state of every "
                 f"parameter ({len(leaves)}), from init(..., rank=None)."
             )
-        _check_stacked(leaves, collective.world_size, "params")
-        _check_stacked([g for g in grad_leaves if g is not None], collective.world_size, "grads")
+        collective.check_stacked(leaves, arg="params")
+        collective.check_stacked([g for g in grad_leaves if g is not None], arg="grads")
     return leaves, spec, grad_leaves
 
 
@@ -320,8 +311,28 @@ def update(optimizer: Optimizer, params, grads, state: ZeroState, *, collective:
     leaves, spec = tree_flatten(params)
     copies = clone_leaves(leaves)
     cloned = state._replace(owned=tuple(clone_states(state.owned)))
-    new_state = update_(optimizer, copies, spec.flatten_up_to(grads), cloned, collective=collective)
+    new_state = update_(optimizer, copies, _stepped_grads(spec, grads, state, collective), cloned, collective=collective)
     return tree_unflatten(spec, copies), new_state
+
+
+def _stepped_grads(spec, grads, state: ZeroState, collective) -> list | PyTree:
+    """``grads``' leaves, those this rank steps with copied (torch's multi-tensor
+    Nesterov SGD adds into the gradients it is given); ``grads`` as given where they
+    do not fit ``spec`` (the step refuses them, through its peers' rank check)."""
+    try:
+        leaves = spec.flatten_up_to(grads)
+    except ValueError:
+        return grads
+    if isinstance(collective, SimulatedCollective):
+        stepped = range(len(leaves))
+    elif isinstance(collective, DistributedCollective):
+        stepped = state.plan.owned_by(collective.rank)
+    else:  # (refused by the step)
+        return leaves
+    for i in stepped:
+        if leaves[i] is not None:
+            leaves[i] = leaves[i].clone()
+    return leaves
 
 
 def end_iteration(state: ZeroState) -> ZeroState:
@@ -337,7 +348,12 @@ def zero(optimizer: Optimizer) -> Zero:
 
     Returns:
         A :class:`Zero`.
+
+    Raises:
+        TypeError: ``optimizer`` is not a functional optimizer.
     """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"Arg ``optimizer`` must be a puredist optimizer (e.g. adam(1e-3)), got {optimizer!r}.")
     return Zero(
         init=bound(init, optimizer),
         update=bound(update, optimizer),

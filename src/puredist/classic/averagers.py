@@ -11,15 +11,13 @@ This module must not average by itself: it calls puredist's averagers.
 from __future__ import annotations
 
 import contextlib
-import numbers
-import operator
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from puredist._validation import check_warmup_steps
+from puredist._validation import as_int, check_warmup_steps
 from puredist.averaging import Averager, AveragerState, periodic_averager_warning_at
 from puredist.classic.utils import get_params_to_average
 from puredist.collectives import DistributedCollective
@@ -73,12 +71,6 @@ class ModelAverager(ABC):
             KeyError: ``state_dict`` has no ``"step"``.
         """
         self._state = AveragerState(step=int(state_dict["step"]))
-
-
-def as_int(value):
-    """``value`` as an int where it is an integral number other than a bool (numpy's
-    included, which torch's classes take), else as it is (the checks refuse it)."""
-    return operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 class _CoreAverager(ModelAverager):

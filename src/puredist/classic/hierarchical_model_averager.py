@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from puredist._validation import check_hierarchy_group_sizes, check_hierarchy_periods
 from puredist.averaging import hierarchical_averager_warning_at
-from puredist.classic.averagers import _CoreAverager, as_int
+from puredist._validation import as_int
+from puredist.classic.averagers import _CoreAverager
 from puredist.collectives import DistributedCollective, subgroup
 from puredist.schedules import hierarchical_schedule
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from puredist._validation import as_int
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
@@ -81,13 +82,27 @@ def _listed_params(params: Any) -> list:
         raise TypeError(f"`params` argument should be an iterable of Tensors or dicts, but got {torch.typename(params)}") from error
     if not listed:
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if not all(isinstance(p, torch.Tensor) for p in listed):
+        if not all(isinstance(p, dict) for p in listed):
+            raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+        if any("params" not in group for group in listed):
+            raise ValueError(
+                "Each parameter group passed-in via `params` must have a 'params' key mapping to the parameters in "
+                "the group"
+            )
     return listed
 
 
 def _check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> None:
+    """As torch: anything that builds an optimizer from param groups and keywords (a
+    class, ``functools.partial`` of one); with the overlap, one of
+    :data:`OVERLAP_OPTIMIZERS`."""
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise ValueError(f"Arg ``optimizer_class`` must be a torch.optim.Optimizer subclass, got {name}.")
+    if not callable(optimizer_class):
+        raise TypeError(
+            f"Arg ``optimizer_class`` must build a torch.optim.Optimizer (a class, or e.g. functools.partial of one), "
+            f"got {name} of type {type(optimizer_class).__name__}."
+        )
     if overlap_with_ddp and optimizer_class not in OVERLAP_OPTIMIZERS:
         supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in OVERLAP_OPTIMIZERS)
         raise ValueError(
@@ -155,8 +170,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     Args:
         params: parameters or param-group dicts (one group only with
             ``overlap_with_ddp``).
-        optimizer_class: any ``torch.optim.Optimizer`` subclass (custom ones
-            included); with ``overlap_with_ddp`` one of :data:`OVERLAP_OPTIMIZERS`.
+        optimizer_class: what builds the local optimizer from param groups and the
+            keyword arguments: a ``torch.optim.Optimizer`` subclass (custom ones
+            included) or e.g. ``functools.partial`` of one; with
+            ``overlap_with_ddp`` one of :data:`OVERLAP_OPTIMIZERS`.
         process_group: the group to shard over (``None``: WORLD).
         parameters_as_bucket_view: accepted for compatibility; no effect.
         overlap_with_ddp: the step runs inside DDP's backward through
@@ -174,10 +191,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     Raises:
         TypeError: ``params`` is a tensor or not iterable, or holds something
-            other than tensors; a keyword argument ``optimizer_class`` does not take.
-        ValueError: ``params`` empty or sparse; parameters on several devices;
-            ``optimizer_class`` not an optimizer (or not supported with
-            ``overlap_with_ddp``); several param groups with ``overlap_with_ddp``;
+            other than tensors or dicts; ``optimizer_class`` does not build an
+            optimizer; a keyword argument ``optimizer_class`` does not take.
+        ValueError: ``params`` empty or sparse, or a param group without
+            ``"params"``; parameters on several devices; ``optimizer_class`` not
+            supported with ``overlap_with_ddp``; several param groups with ``overlap_with_ddp``;
             bad hyper-parameters (as ``optimizer_class`` raises them).
         RankMismatchError: ranks hold different parameter layouts (every rank).
     """
@@ -246,6 +264,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             {**_hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
         ]
         optim = self._optimizer_class(local_groups, **self.defaults)
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(
+                f"Arg ``optimizer_class`` must build a torch.optim.Optimizer, got {type(optim).__name__} from "
+                f"{getattr(self._optimizer_class, '__name__', repr(self._optimizer_class))}."
+            )
         self._collective.check_same_on_all_ranks(
             self._all_params, context=plan.digest(), what="ZeroRedundancyOptimizer's plan"
         )
@@ -385,7 +408,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise
 
     def _consolidate(self, to: int) -> None:
-        if not (isinstance(to, int) and 0 <= to < self._collective.world_size):
+        to = as_int(to)  # (numpy's ints too, as torch takes them)
+        if not (isinstance(to, int) and not isinstance(to, bool) and 0 <= to < self._collective.world_size):
             raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {self._collective.world_size}), got {to!r}.")
         params = self._all_params
         # ranks at other steps (or one stepping while another consolidates) would gather states of different sizes

@@ -16,8 +16,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from puredist._inputs import FLOAT8
 from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
-from puredist.compression import Compressor
+from puredist.compression import Compressor, check_compressor
 from puredist.optim import Optimizer
 from puredist.schedules import hierarchical_schedule
 
@@ -86,9 +87,23 @@ class OuterConfig:
 
 def _check_options(config: OuterConfig) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad option and its value."""
+    if not isinstance(config.outer, Optimizer):
+        raise TypeError(f"Arg ``outer`` must be a puredist optimizer (e.g. sgd(0.7, momentum=0.9, nesterov=True)), "
+                        f"got {config.outer!r}.")
     for name, dtype in (("comm_dtype", config.comm_dtype), ("global_dtype", config.global_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"Arg ``{name}`` must be a floating-point torch.dtype or None, got {dtype!r}.")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
+            raise TypeError(f"Arg ``{name}`` must be a floating-point torch.dtype other than float8 (which has no "
+                            f"arithmetic) or None, got {dtype!r}.")
+    if config.global_device is not None:
+        try:
+            device = torch.device(config.global_device)
+        except (RuntimeError, TypeError) as error:
+            raise TypeError(f"Arg ``global_device`` must be a torch.device, a device string or None, got "
+                            f"{config.global_device!r} ({error}).") from None
+        if device.type == "meta":
+            raise ValueError(f"Arg ``global_device`` {config.global_device!r}: a meta tensor holds no values to keep.")
+    if not isinstance(config.lower_levels, Mapping):
+        raise TypeError(f"Arg ``lower_levels`` must be a mapping {{period: group_size}}, got {config.lower_levels!r}.")
     check_period(config.sync_every, arg="sync_every")
     check_warmup_steps(config.warmup_steps)
     sync_every = config.sync_every
@@ -97,8 +112,8 @@ def _check_options(config: OuterConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"Arg ``{name}`` must be an int in [{low}, {high}] for sync_every={sync_every}, got {value!r}.")
     compressor = config.compressor
-    if compressor is not None and not isinstance(compressor, Compressor):
-        raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
+    if compressor is not None:
+        check_compressor(compressor)
     if compressor is not None and config.comm_dtype is not None:
         raise ValueError(
             f"Args ``compressor`` ({compressor.name}) and ``comm_dtype`` ({config.comm_dtype}) are exclusive: the "

@@ -79,7 +79,10 @@ class OuterTransform(NamedTuple):
     Attributes:
         init: ``init(params) -> OuterState``: step 0, the global copy, fresh outer state.
         update: ``update(params, state, *, collective) -> (params, state)``: pure (and
-            under ``torch.func`` transforms for synchronous, uncompressed syncs).
+            under ``torch.func`` transforms for synchronous, uncompressed syncs). Eagerly
+            every returned tensor is new; under a transform, what a step leaves
+            unchanged is returned as given (as JAX does, and the averagers): change
+            those in place and the inputs change too.
         update_: ``update_(params, state, *, collective) -> state``: in place.
         state_dict: ``state_dict(state, *, rank) -> dict``: the checkpoint.
         load_state_dict: ``load_state_dict(state, saved, *, rank) -> OuterState``: checked first.

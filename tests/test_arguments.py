@@ -1,0 +1,136 @@
+"""Bad arguments are refused by name (the argument and its value), when a transform is
+built or before anything is touched, and the classic classes take what torch's take.
+Each case was found by a review: before, it failed deep inside with an unrelated
+message, or silently did something else."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import puredist
+from puredist import SimulatedCollective
+from puredist.classic import HierarchicalModelAverager, ZeroRedundancyOptimizer
+from workers import run_workers
+
+
+def test_plan_zero_reads_buckets_given_as_iterators_once():
+    # a generator was used up by the check, and every parameter went to rank 0
+    as_lists = puredist.plan_zero([4, 4, 4, 4], 2, strategy="whole_buckets", buckets=[[0, 1], [2, 3]])
+    for strategy in ("whole_buckets", "split_buckets", "round_robin_buckets"):
+        lists = puredist.plan_zero([4, 4, 4, 4], 2, strategy=strategy, buckets=[[0, 1], [2, 3]])
+        lazy = puredist.plan_zero([4, 4, 4, 4], 2, strategy=strategy, buckets=(iter(b) for b in ([0, 1], [2, 3])))
+        assert lazy == lists, strategy
+    assert as_lists.owners == (0, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"Arg ``sizes`` must be non-negative ints, got \[None, 1\]"):
+        puredist.plan_zero([None, 1], 2)
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: puredist.compressed_averager(puredist.int8_blocks), TypeError, r"Arg ``compressor`` must be a puredist"),
+        (lambda: puredist.compressed_averager(None), TypeError, r"Arg ``compressor``.*got None"),
+        (lambda: puredist.outer_optimizer(puredist.sgd, sync_every=4), TypeError, r"Arg ``outer`` must be a puredist"),
+        (lambda: puredist.outer_optimizer(torch.optim.SGD, sync_every=4), TypeError, r"Arg ``outer``.*SGD"),
+        (lambda: puredist.zero(puredist.sgd), TypeError, r"Arg ``optimizer`` must be a puredist optimizer"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, global_device="cpuu"), TypeError,
+         r"Arg ``global_device``.*'cpuu'"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, global_device=3.5), TypeError,
+         r"Arg ``global_device``.*3.5"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, global_device="meta"), ValueError,
+         r"Arg ``global_device`` 'meta'"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, global_dtype=torch.float8_e4m3fn),
+         TypeError, r"Arg ``global_dtype``.*float8"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, comm_dtype=torch.float8_e5m2),
+         TypeError, r"Arg ``comm_dtype``.*float8"),
+        (lambda: puredist.outer_optimizer(puredist.sgd(0.7), sync_every=4, lower_levels=[2]), TypeError,
+         r"Arg ``lower_levels`` must be a mapping"),
+        (lambda: puredist.hierarchical_averager(None), TypeError, r"Arg ``period_group_sizes`` must be a mapping"),
+        (lambda: puredist.adam(1e-3, betas=(0.9, "0.999")), ValueError, r"Arg ``betas``.*'0.999'"),
+        (lambda: puredist.adamw(1e-3, betas=(0.9, None)), ValueError, r"Arg ``betas``.*None"),
+    ],
+)
+def test_a_bad_argument_is_refused_by_name_when_built(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_a_bad_collective_group_size_or_rank_is_refused_by_name():
+    params = [torch.ones(2, 3)]
+    with pytest.raises(TypeError, match=r"Arg ``collective`` must be a puredist collective.*NoneType"):
+        puredist.average_(params, collective=None)
+    with pytest.raises(TypeError, match=r"Arg ``collective``"):
+        puredist.average(params, collective="gloo")
+    averager = puredist.periodic_averager(2)
+    with pytest.raises(TypeError, match=r"Arg ``collective``"):
+        averager.update_(params, averager.init(), collective=None)
+    assert torch.equal(params[0], torch.ones(2, 3))
+    plan = puredist.plan_zero([3], 2)
+    for rank in ("0", True, 0.0):
+        with pytest.raises(ValueError, match=r"Arg ``rank`` must be an int in \[0, 2\)"):
+            puredist.zero(puredist.sgd(0.1)).init([torch.ones(3)], plan=plan, rank=rank)
+
+
+def test_a_block_longer_than_the_values_is_one_block_of_them():
+    # a block of 2**40 elements was padded to its full size on first use (an allocation of 4 TB)
+    values = torch.randn(37)
+    for huge, fitting in ((puredist.int8_blocks(2**40), puredist.int8_blocks(37)),
+                          (puredist.int4_blocks(2**40), puredist.int4_blocks(38))):
+        payload, exact = huge.encode(values), fitting.encode(values)
+        assert all(torch.equal(a, b) for a, b in zip(payload, exact))
+        assert torch.equal(huge.decode(payload, 37), fitting.decode(exact, 37))
+    # blocks shorter than the values are as before: whole blocks, the last one padded
+    q, scales = puredist.int4_blocks(8).encode(values)
+    assert scales.numel() == 5 and q.numel() == 20
+    torch.testing.assert_close(puredist.int4_blocks(8).decode((q, scales), 37), values, atol=0.2, rtol=0.2)
+
+
+def _classic_arguments(rank, world_size):
+    param = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="must have a 'params' key"):  # torch's error (a bare KeyError before)
+        ZeroRedundancyOptimizer([{"lr": 0.1}], torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        ZeroRedundancyOptimizer([param, {"params": [param]}], torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"Arg ``optimizer_class`` must build a torch.optim.Optimizer.*'SGD'"):
+        ZeroRedundancyOptimizer([param], "SGD", lr=0.1)
+    # what torch takes: anything that builds an optimizer, e.g. functools.partial of a class
+    zero = ZeroRedundancyOptimizer([param], functools.partial(torch.optim.SGD, momentum=0.9), lr=0.1)
+    reference = torch.nn.Parameter(torch.ones(3))
+    plain = torch.optim.SGD([reference], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        for p in (param, reference):
+            p.grad = torch.full((3,), 0.5)
+        zero.step()
+        plain.step()
+    assert torch.equal(param, reference)
+    zero.consolidate_state_dict(to=np.int64(0))  # numpy's ints are ranks, as for torch
+    assert zero.state_dict()["state"][0]["momentum_buffer"].shape == (3,)
+    # torch's message (and check) first: the last group size must be the group's size
+    with pytest.raises(ValueError, match=r"The last value in arg ``period_group_size_dict`` 2 must be equal"):
+        HierarchicalModelAverager({2: 2}, warmup_steps=0)
+    return True
+
+
+def test_the_classic_classes_take_and_refuse_what_torchs_do():
+    assert run_workers(_classic_arguments, 1) == [True]
+
+
+def test_a_float_group_size_is_refused_by_name_by_the_simulated_backend():
+    collective = SimulatedCollective(4)
+    with pytest.raises(ValueError, match=r"group_size.*2.0 must divide"):
+        collective.mean_([torch.ones(4, 2)], group_size=2.0)
+
+
+def _with_subgroups_of_strings(rank, world_size):
+    with pytest.raises(ValueError, match=r"Arg ``group_sizes`` must hold positive ints, got \['1'\]"):
+        puredist.DistributedCollective.with_subgroups(["1"])
+    return dist.get_world_size()
+
+
+def test_subgroup_sizes_that_are_not_ints_are_refused_by_name():
+    assert run_workers(_with_subgroups_of_strings, 2) == [2, 2]
