@@ -134,3 +134,34 @@ def _with_subgroups_of_strings(rank, world_size):
 
 def test_subgroup_sizes_that_are_not_ints_are_refused_by_name():
     assert run_workers(_with_subgroups_of_strings, 2) == [2, 2]
+
+
+def test_a_plans_owners_are_judged_by_their_values_and_types_whatever_was_checked_before():
+    # the check was cached on the owners' values alone: 1.0 == 1 == np.int64(1), so the first plan checked
+    # decided for the others
+    valid, floats = puredist.ZeroPlan(2, (0, 1)), puredist.ZeroPlan(2, (0, 1.0))
+    numpy_owners = puredist.ZeroPlan(2, tuple(np.array([0, 1])))
+    for first, second in ((numpy_owners, valid), (floats, valid), (valid, floats)):
+        first.loads([3, 2]) if first is not floats else None
+        assert valid.loads([3, 2]) == [3, 2] and numpy_owners.loads([3, 2]) == [3, 2]
+        with pytest.raises(ValueError, match=r"owners must be ranks in \[0, 2\), got 1.0 at parameter 1"):
+            floats.loads([3, 2])
+
+
+def test_plan_zero_takes_numpy_sizes_and_bucket_indices():
+    sizes = list(np.array([10, 20, 30, 40]))
+    plain = puredist.plan_zero([10, 20, 30, 40], 2, strategy="whole_buckets", buckets=[[0, 1], [2, 3]])
+    assert puredist.plan_zero(sizes, 2, strategy="whole_buckets", buckets=np.array_split(np.arange(4), 2)) == plain
+    assert puredist.plan_zero(sizes, 2) == puredist.plan_zero([10, 20, 30, 40], 2)
+
+
+def _with_subgroups_of_an_iterator(rank, world_size):
+    collective = puredist.DistributedCollective.with_subgroups(iter([1]))
+    tensors = [torch.full((2,), float(rank))]
+    collective.mean_(tensors, group_size=1)  # each rank alone: unchanged
+    return collective.group_sizes, tensors[0].tolist()
+
+
+def test_subgroup_sizes_given_as_an_iterator_are_read_once():
+    for sizes, values in run_workers(_with_subgroups_of_an_iterator, 2):
+        assert sizes == (1, 2) and values in ([0.0, 0.0], [1.0, 1.0])

@@ -278,6 +278,7 @@ class DistributedCollective:
             ValueError: a size that is not a positive int, or does not divide the
                 group's size (from torch).
         """
+        group_sizes = list(group_sizes)  # (an iterator is read once)
         for size in group_sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"Arg ``group_sizes`` must hold positive ints, got {list(group_sizes)!r}.")

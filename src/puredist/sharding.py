@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import numbers
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
@@ -35,11 +36,21 @@ def _owned(owners: tuple[int, ...], rank: int) -> tuple[int, ...]:
     return tuple(i for i, owner in enumerate(owners) if owner == rank)
 
 
-@functools.lru_cache(maxsize=64)
 def _outside(world_size: int, owners: tuple) -> tuple[tuple[int, object], ...]:
     """``(index, owner)`` of each owner that is not a rank in ``[0, world_size)``
-    (worked out once per plan: ZeRO checks at every step)."""
-    return tuple((i, owner) for i, owner in enumerate(owners) if not isinstance(owner, int) or not 0 <= owner < world_size)
+    (worked out once per plan and kinds of owner, ZeRO checks at every step: 1, 1.0
+    and numpy's 1 are equal keys, so the kinds are part of the key)."""
+    return _outside_of(world_size, owners, frozenset(map(type, owners)))
+
+
+@functools.lru_cache(maxsize=64)
+def _outside_of(world_size: int, owners: tuple, kinds: frozenset) -> tuple[tuple[int, object], ...]:
+    return tuple((i, owner) for i, owner in enumerate(owners) if not _is_index(owner) or not 0 <= owner < world_size)
+
+
+def _is_index(value: object) -> bool:
+    """An integral number other than a bool (numpy's included)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @fields_documented
@@ -97,7 +108,7 @@ def _lpt(items: Sequence[tuple[int, Sequence[int]]], loads: list[int], owners: l
 
 def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
     flat = [i for bucket in buckets for i in bucket]
-    if not all(isinstance(i, int) for i in flat) or sorted(flat) != list(range(count)):
+    if not all(map(_is_index, flat)) or sorted(flat) != list(range(count)):
         raise ValueError(
             f"Arg ``buckets`` must hold every parameter index 0..{count - 1} exactly once, got {list(buckets)!r}."
         )
@@ -159,7 +170,7 @@ def plan_zero(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
     sizes = list(sizes)
-    if not all(isinstance(size, int) and size >= 0 for size in sizes):
+    if not all(_is_index(size) and size >= 0 for size in sizes):
         raise ValueError(f"Arg ``sizes`` must be non-negative ints, got {sizes!r}.")
     owners = [0] * len(sizes)
     loads = list(start_loads) if start_loads is not None else [0] * world_size
