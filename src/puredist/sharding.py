@@ -36,6 +36,14 @@ def _owned(owners: tuple[int, ...], rank: int) -> tuple[int, ...]:
     return tuple(i for i, owner in enumerate(owners) if owner == rank)
 
 
+@functools.lru_cache(maxsize=256)
+def _by_owner(owners: tuple[int, ...], world_size: int, indices: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    groups: list[list[int]] = [[] for _ in range(world_size)]
+    for i in indices:
+        groups[owners[i]].append(i)
+    return tuple((owner, tuple(group)) for owner, group in enumerate(groups) if group)
+
+
 def _outside(world_size: int, owners: tuple) -> tuple[tuple[int, object], ...]:
     """``(index, owner)`` of each owner that is not a rank in ``[0, world_size)``
     (worked out once per plan and kinds of owner, ZeRO checks at every step: 1, 1.0
@@ -69,6 +77,12 @@ class ZeroPlan(NamedTuple):
         """The indices of the parameters ``rank`` owns, increasing (worked out once per
         plan and rank: ZeRO asks at every step)."""
         return _owned(tuple(self.owners), rank)
+
+    def by_owner(self, indices: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``(owner, the indices among indices it owns, in order)`` for each rank that
+        owns some, by rank (worked out once per plan and indices: ZeRO asks at every
+        step, and per bucket in DDP's backward)."""
+        return _by_owner(tuple(self.owners), self.world_size, tuple(indices))
 
     def check(self, what: str = "Arg ``plan``") -> None:
         """Raise ``ValueError`` (its message starting with ``what``) unless every owner

@@ -99,12 +99,10 @@ def broadcast_from_owners_(
 ) -> CollectiveHandle:
     """Start, for each owner in rank order, the broadcast of the parameters at
     ``indices`` it owns; return one handle for all of them."""
-    handles = []
-    for owner in range(plan.world_size):
-        mine = [leaves[i] for i in indices if plan.owners[i] == owner]
-        if mine:
-            handles.append(collective.broadcast_(mine, src=owner, async_op=True))
-    return CollectiveHandle.merged(handles)
+    return CollectiveHandle.merged([
+        collective.broadcast_(list(map(leaves.__getitem__, mine)), src=owner, async_op=True)
+        for owner, mine in plan.by_owner(indices)
+    ])
 
 
 def wait_for_owners(handle: CollectiveHandle, leaves: Sequence[torch.Tensor], indices: Sequence[int], plan: ZeroPlan,
