@@ -22,6 +22,7 @@ This module must not check its inputs or talk to other ranks except through the
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -318,7 +319,10 @@ class CollectiveHandle:
             except Exception as cause:  # noqa: BLE001 - the backend's error, re-raised with what it left
                 self._error = progress.error(bucket.position, cause)
                 raise self._error from cause
-        with torch.inference_mode(self._inference_mode):  # (inference tensors are written only in it)
+        # in the inference mode the run started in (inference tensors are written only in it), switched only
+        # where it differs (leaving it turns grad mode on)
+        mode = self._inference_mode
+        with contextlib.nullcontext() if mode == torch.is_inference_mode_enabled() else torch.inference_mode(mode):
             for bucket, progress in self._staged:
                 try:
                     bucket.write_back()

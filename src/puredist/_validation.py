@@ -29,10 +29,15 @@ _MAX_PERIOD_ONE_WARNING = (
 )
 
 
+def is_integral(value: object) -> bool:
+    """Whether ``value`` is an integral number other than a bool (numpy's included)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def as_int(value):
-    """``value`` as an int where it is an integral number other than a bool (numpy's
-    included, which torch's classes take), else as it is (the checks refuse it)."""
-    return operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+    """``value`` as an int where it is :func:`is_integral` (numpy's ints included,
+    which torch's classes take), else as it is (the checks refuse it)."""
+    return operator.index(value) if is_integral(value) else value
 
 
 def _check_int(name: str, value: object) -> None:

@@ -281,7 +281,7 @@ class DistributedCollective:
         group_sizes = list(group_sizes)  # (an iterator is read once)
         for size in group_sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"Arg ``group_sizes`` must hold positive ints, got {list(group_sizes)!r}.")
+                raise ValueError(f"Arg ``group_sizes`` must hold positive ints, got {group_sizes!r}.")
         whole = process_group if process_group is not None else dist.group.WORLD
         return cls(process_group, subgroups=subgroups_of(whole, group_sizes), **kwargs)
 

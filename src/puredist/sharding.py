@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import numbers
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
+from puredist._validation import is_integral
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
@@ -53,12 +53,7 @@ def _outside(world_size: int, owners: tuple) -> tuple[tuple[int, object], ...]:
 
 @functools.lru_cache(maxsize=64)
 def _outside_of(world_size: int, owners: tuple, kinds: frozenset) -> tuple[tuple[int, object], ...]:
-    return tuple((i, owner) for i, owner in enumerate(owners) if not _is_index(owner) or not 0 <= owner < world_size)
-
-
-def _is_index(value: object) -> bool:
-    """An integral number other than a bool (numpy's included)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return tuple((i, owner) for i, owner in enumerate(owners) if not is_integral(owner) or not 0 <= owner < world_size)
 
 
 @fields_documented
@@ -122,7 +117,7 @@ def _lpt(items: Sequence[tuple[int, Sequence[int]]], loads: list[int], owners: l
 
 def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
     flat = [i for bucket in buckets for i in bucket]
-    if not all(map(_is_index, flat)) or sorted(flat) != list(range(count)):
+    if not all(map(is_integral, flat)) or sorted(flat) != list(range(count)):
         raise ValueError(
             f"Arg ``buckets`` must hold every parameter index 0..{count - 1} exactly once, got {list(buckets)!r}."
         )
@@ -184,7 +179,7 @@ def plan_zero(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
     sizes = list(sizes)
-    if not all(_is_index(size) and size >= 0 for size in sizes):
+    if not all(is_integral(size) and size >= 0 for size in sizes):
         raise ValueError(f"Arg ``sizes`` must be non-negative ints, got {sizes!r}.")
     owners = [0] * len(sizes)
     loads = list(start_loads) if start_loads is not None else [0] * world_size

@@ -10,9 +10,8 @@ from collections import OrderedDict
 
 import torch.distributed as dist
 
-from puredist._validation import check_hierarchy_group_sizes, check_hierarchy_periods
+from puredist._validation import as_int, check_hierarchy_group_sizes, check_hierarchy_periods
 from puredist.averaging import hierarchical_averager_warning_at
-from puredist._validation import as_int
 from puredist.classic.averagers import _CoreAverager
 from puredist.collectives import DistributedCollective, subgroup
 from puredist.schedules import hierarchical_schedule
