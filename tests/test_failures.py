@@ -183,6 +183,57 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
     assert pool._memory == {}  # the buffers the failed run handed out are never reused
 
 
+@pytest.mark.parametrize("async_op", [False, True])
+def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective(async_op, monkeypatch):
+    # the rank check's second half: its round trip overlaps the first bucket's packing, and its error
+    # leaves every tensor as it was, with no collective started
+    from puredist._staged import StagingPool, run_staged
+
+    tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
+    events = []
+    copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *args: events.append(("copy", None)) or copy(*args))
+
+    def launch(buffer):
+        events.append(("launch", buffer.tolist()))
+        return _Done()
+
+    def gate():
+        events.append(("gate", None))
+
+    handle = run_staged(tensors, 64, launch, what="test", async_op=async_op, pack=True, pool=StagingPool(1024),
+                        gate=gate)
+    if handle is not None:
+        handle.wait()
+    kinds = [kind for kind, _ in events]
+    assert kinds[:3] == ["copy", "gate", "launch"] and kinds.count("gate") == 1 and kinds.count("launch") == 5
+    assert events[2][1] == list(range(8))  # the first bucket, packed before the gate
+
+    class Refused(Exception):
+        pass
+
+    def refusing_gate():
+        raise Refused("ranks differ")
+
+    events.clear()
+    pool = StagingPool(1024)
+    with pytest.raises(Refused):
+        run_staged(tensors, 64, launch, what="test", async_op=async_op, pack=True, pool=pool, gate=refusing_gate)
+    assert [kind for kind, _ in events] == ["copy"] and torch.equal(tensors[0], torch.arange(40.0))
+    if async_op:  # the packed buffer, never sent, is kept for the next run
+        assert sum(pool._spare_bytes.values()) == 32
+
+
+def test_the_gate_is_passed_where_there_is_no_bucket():
+    from puredist._staged import StagingPool, run_staged
+
+    passed = []
+    for async_op in (False, True):
+        run_staged([], 64, lambda buffer: _Done(), what="test", async_op=async_op, pack=True, pool=StagingPool(1024),
+                   gate=lambda: passed.append(True))
+    assert passed == [True, True]
+
+
 class _Failed:
     def wait(self):
         raise RuntimeError("injected")

@@ -73,7 +73,7 @@ def _describe(rank: int, summary: list[int], context: str) -> str:
     return f"rank {rank}: {count} tensors, {numel} elements, layout digest {layout & 0xFFFFFFFF:08x}, context {context!r}"
 
 
-def check_same_tensors_on_all_ranks(
+def start_rank_check(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     *,
@@ -81,11 +81,15 @@ def check_same_tensors_on_all_ranks(
     device: torch.device = torch.device("cpu"),
     context: object = "",
     what: str = "one averaging all-reduce",
-) -> None:
-    """Raise :class:`RankMismatchError` on every rank unless all ranks of ``group``
-    hold tensors of the same count, device types, dtypes, shapes and contiguity, in
-    order, and the same ``context`` string. On a mismatch every rank also gathers the
-    others' contexts (one more small collective, on every rank alike) for the message.
+) -> "PendingRankCheck":
+    """Send this rank's summary (an asynchronous all-gather); the check returned
+    raises :class:`RankMismatchError` on every rank, when finished, unless all ranks
+    of ``group`` hold tensors of the same count, device types, dtypes, shapes and
+    contiguity, in order, and the same ``context`` string. In between, the caller may
+    pack its first bucket while the summaries travel; nothing may be sent over
+    ``group``'s ranks before :meth:`PendingRankCheck.finish` has returned. On a
+    mismatch every rank also gathers the others' contexts (one more small collective,
+    on every rank alike) for the message.
 
     Args:
         tensors: this rank's tensors.
@@ -98,20 +102,40 @@ def check_same_tensors_on_all_ranks(
             plan's digest): a string, or an object whose ``str()`` is one (built only
             here, so callers under ``torch.compile`` need not format it).
         what: the operation, for the message.
-
-    Raises:
-        RankMismatchError: on every rank, listing each rank's summary.
     """
     context = str(context)
     summary = (layout if layout is not None else layout_of(tensors)).summary(tensors)
     local = torch.tensor([*summary, digest(context)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    summaries = [t.tolist() for t in gathered]
-    if any(summary != summaries[0] for summary in summaries):
+    work = dist.all_gather(gathered, local, group=group, async_op=True)
+    return PendingRankCheck(work, gathered, group, context, what)
+
+
+class PendingRankCheck:
+    """A rank check whose summaries are on their way (:func:`start_rank_check`)."""
+
+    __slots__ = ("_work", "_gathered", "_group", "_context", "_what")
+
+    def __init__(self, work, gathered: list[torch.Tensor], group: dist.ProcessGroup, context: str, what: str) -> None:
+        self._work, self._gathered, self._group, self._context, self._what = work, gathered, group, context, what
+
+    def finish(self) -> None:
+        """Wait for every rank's summary.
+
+        Raises:
+            RankMismatchError: on every rank, listing each rank's summary, unless
+                they are all the same.
+            Exception: what the backend raised, as it is.
+        """
+        self._work.wait()
+        summaries = [t.tolist() for t in self._gathered]
+        if any(summary != summaries[0] for summary in summaries):
+            self._raise_mismatch(summaries)
+
+    def _raise_mismatch(self, summaries: list[list[int]]) -> None:
         contexts: list[object] = [None] * len(summaries)
-        dist.all_gather_object(contexts, context, group=group)
-        ranks = dist.get_process_group_ranks(group)
+        dist.all_gather_object(contexts, self._context, group=self._group)
+        ranks = dist.get_process_group_ranks(self._group)
         lines = "\n  ".join(_describe(rank, s, c) for rank, s, c in zip(ranks, summaries, contexts))
         layouts_differ = any(s[:3] != summaries[0][:3] for s in summaries)
         cause = (
@@ -121,7 +145,7 @@ def check_same_tensors_on_all_ranks(
             "options, such as its bucket cap, differ)"
         )
         raise RankMismatchError(
-            f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}",
+            f"Mismatch at {self._what}: {cause}; nothing was changed. Per rank:\n  {lines}",
             ranks=ranks, contexts=[str(c) for c in contexts], layouts_differ=layouts_differ,
         )
 

@@ -17,7 +17,8 @@ runs stage every bucket at once and write back only when :meth:`CollectiveHandle
 has seen *every* collective succeed: all or nothing.
 
 This module must not check its inputs or talk to other ranks except through the
-``launch`` it is given: callers pass checked tensors and have run the rank check.
+``launch`` and the ``gate`` it is given: callers pass checked tensors and have run the
+rank check, or finish it in the gate.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def bucket_specs(tensors: Sequence[torch.Tensor], plan: Sequence[Bucket]) -> tup
 
 
 class _Bucket:
-    """One bucket's staging buffer, its collective, and how to write it back.
+    """One bucket's staging buffer, its collective, and how to write it back: packed
+    when made, its collective started by :meth:`start`.
 
     Args:
         spec: the bucket.
@@ -200,7 +202,6 @@ class _Bucket:
             dtype), its views and the call that releases it once it is written back
             (not after a failure: the backend may still hold it) or ``None``; not
             called for a bucket sent from the tensor's own storage.
-        launch: starts the collective on the buffer.
         pack: copy the tensors' values into the buffer first (a broadcast receiver
             does not: the collective only writes it).
         scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
@@ -209,7 +210,7 @@ class _Bucket:
     """
 
     def __init__(self, spec: BucketSpec, tensors, staging: Callable[[], tuple[torch.Tensor, list, object]],
-                 launch: Launch, *, pack: bool, scales: Scales, write_back: bool):
+                 *, pack: bool, scales: Scales, write_back: bool):
         self.spec = spec
         self._targets = spec.targets(tensors)
         scale_before, self._scale_after = scales(self._targets[0])
@@ -228,7 +229,16 @@ class _Bucket:
                 torch._foreach_copy_(self._views, self._targets)
             if scale_before is not None:
                 buffer.div_(scale_before)
-        self._work = launch(buffer)
+        self._work = None
+
+    def discard(self) -> None:
+        """Give the staging buffer back unsent (its collective is not to start)."""
+        if self._release is not None:
+            self._release()
+
+    def start(self, launch: Launch) -> None:
+        """Start the collective on the packed buffer."""
+        self._work = launch(self._buffer)
 
     @property
     def position(self) -> int:
@@ -394,11 +404,15 @@ class StagingPool:
         if kept + nbytes <= self.capacity(device):
             self._spare.setdefault((device, nbytes), []).append(spare)
             self._spare_bytes[device] = kept + nbytes
+        else:
+            _free_after(spare.memory, spare.stream)
 
     def reserve(self, nbytes: int, device: torch.device) -> int:
         """Make the buffer on ``device`` hold ``min(nbytes, capacity)`` bytes; return its size."""
         size = min(_aligned(nbytes), self.capacity(device))
         if device not in self._memory or self._memory[device].numel() < size:
+            if device in self._memory:
+                _free_after(self._memory[device], self._last_stream.get(device))
             self._memory[device] = _staging_memory(size, torch.uint8, device)
             self._views = {}
         else:
@@ -409,6 +423,8 @@ class StagingPool:
 
     def abandon(self) -> None:
         """Forget the buffers (a failed run's collectives may still write into them)."""
+        for device, memory in self._memory.items():
+            _free_after(memory, self._last_stream.get(device))
         self._memory, self._head, self._views = {}, {}, {}
 
     def staged(self, spec: BucketSpec, offset: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -451,6 +467,14 @@ def _staging_memory(numel: int, dtype: torch.dtype, device: torch.device) -> tor
 def _stream_of(device: torch.device):
     """The current CUDA stream of ``device`` (``None`` elsewhere: host work is in order)."""
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _free_after(memory: torch.Tensor, stream) -> None:
+    """Let go of ``memory``, last used on ``stream``: torch's caching allocator then
+    hands it out again only once ``stream``'s work so far is done (it would otherwise
+    at once, on the stream it was allocated on). Nothing where ``stream`` is ``None``."""
+    if stream is not None:
+        memory.record_stream(stream)
 
 
 def _after(stream) -> None:
@@ -508,6 +532,7 @@ def run_staged(
     scales: Scales = no_scaling,
     write_back: bool = True,
     alone_from: int | None = None,
+    gate: Callable[[], None] | None = None,
 ) -> CollectiveHandle | None:
     """Issue ``launch`` over the bucket plan of ``tensors`` (buckets of half of
     ``bucket_cap_bytes``), in order, with the semantics of the module docstring.
@@ -526,6 +551,9 @@ def run_staged(
             piece, packed and not written back (a broadcast source), is sent from the
             tensor's own storage.
         alone_from: see :func:`~puredist._buckets.plan_buckets`.
+        gate: called once the first bucket is packed, before any collective starts
+            (the rank check's second half: its round trip overlaps the packing). What
+            it raises propagates as it is: nothing was sent or written.
 
     Returns:
         ``None``, or the :class:`CollectiveHandle` when ``async_op``.
@@ -544,15 +572,32 @@ def run_staged(
         lambda: bucket_specs(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from)),
     )
     progress = _Progress(specs, lambda: [t.numel() for t in tensors], what)
-    options = dict(pack=pack, scales=scales, write_back=write_back)
+    gates = [gate] if gate is not None else []
+
+    def through_gate() -> None:
+        if gates:
+            gates.pop()()  # (raises as it is: nothing was sent)
+
+    def started(spec: BucketSpec, staging: Callable, failed: Callable[[int, BaseException], CollectiveError]) -> _Bucket:
+        """``spec``'s bucket packed (the gate passed after the first) and its collective started."""
+        try:
+            bucket = _Bucket(spec, tensors, staging, pack=pack, scales=scales, write_back=write_back)
+        except Exception as cause:  # noqa: BLE001 - packing failed: say what was left
+            raise failed(spec.position, cause) from cause
+        try:
+            through_gate()
+        except BaseException:
+            bucket.discard()
+            raise
+        try:
+            bucket.start(launch)
+        except Exception as cause:  # noqa: BLE001 - launching failed: say what was left
+            raise failed(spec.position, cause) from cause
+        return bucket
 
     if async_op:
-        launched: list[tuple[_Bucket, _Progress]] = []
-        for spec in specs:
-            try:
-                launched.append((_Bucket(spec, tensors, lambda spec=spec: pool.take(spec), launch, **options), progress))
-            except Exception as cause:  # noqa: BLE001 - nothing was written: say so
-                raise progress.error(spec.position, cause) from cause
+        launched = [(started(spec, lambda spec=spec: pool.take(spec), progress.error), progress) for spec in specs]
+        through_gate()  # (no bucket: nothing to send)
         return CollectiveHandle(launched)
     needed = layout.derived(("staging bytes", caps, alone_from), lambda: _staging_bytes(specs))
     room = {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()}
@@ -579,15 +624,13 @@ def run_staged(
             if offset is not None or (oversized and not pending):
                 break
             finish_oldest()
-        try:
-            if oversized:
-                take, region = (lambda spec=spec: _fresh_buffer(spec)), (spec.device, 0, 0)
-            else:
-                take = lambda spec=spec, offset=offset: (*pool.staged(spec, offset), None)  # noqa: E731
-                region = (spec.device, offset, offset + nbytes)
-            pending.append((_Bucket(spec, tensors, take, launch, **options), region))
-        except Exception as cause:  # noqa: BLE001 - packing or launching failed: say what was left
-            raise failed(spec.position, cause) from cause
+        if oversized:
+            take, region = (lambda spec=spec: _fresh_buffer(spec)), (spec.device, 0, 0)
+        else:
+            take = lambda spec=spec, offset=offset: (*pool.staged(spec, offset), None)  # noqa: E731
+            region = (spec.device, offset, offset + nbytes)
+        pending.append((started(spec, take, failed), region))
+    through_gate()
     while pending:
         finish_oldest()
     return None

@@ -29,20 +29,22 @@ For dtypes whose range is narrower than fp32's (fp16; bf16, whose largest value 
 just below fp32's) each value is divided *before* the sum, so the mean never overflows
 when it is representable (fp16 40000 and 30000 average to 35008, not inf), as torch's
 ``average_parameters`` does; other dtypes are divided after the sum (by NCCL, its
-native ``AVG``).
+native ``AVG``, which for floats sums each value times ``1/n`` rounded to the dtype:
+the same where ``n`` is a power of two, within an ulp otherwise, and the same on
+every rank).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from puredist._autograd import AllReduceMean
 from puredist._consistency import (
-    RankMismatchError, check_same_tensors_on_all_ranks, check_same_values_on_all_ranks, with_refusal,
+    RankMismatchError, check_same_values_on_all_ranks, start_rank_check, with_refusal,
 )
 from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
@@ -393,8 +395,8 @@ class DistributedCollective:
     def _average_over(self, group: dist.ProcessGroup, given: Checked, *, async_op: bool, context: str) -> CollectiveHandle | None:
         """:meth:`mean_` over ``group`` once the tensors are checked, at any group size."""
         size = dist.get_world_size(group)
-        # the tensors as passed: a DTensor's sharding is part of the check
-        self._check_same(given, group, context=context, what="one averaging all-reduce")
+        # the tensors as passed: a DTensor's sharding is part of the check, finished while the first bucket packs
+        finish_check = self._start_check(given, group, context=context, what="one averaging all-reduce")
 
         native = functools.cache(lambda device: averages_natively(group, device))  # (per bucket: read once a device)
 
@@ -411,6 +413,7 @@ class DistributedCollective:
         return run_staged(
             given.reduced, self.bucket_cap_bytes, launch, layout=given.layout,
             what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
+            gate=finish_check,
         )
 
     @_runs_eagerly
@@ -444,18 +447,39 @@ class DistributedCollective:
         """The rank check, with this collective's options that shape the messages
         (the bucket cap); if its own collective fails (a peer is gone), a
         :class:`CollectiveError` saying that nothing was changed."""
+        finish = self._start_check(tensors, group, context=context, what=what)
+        if finish is not None:
+            finish()
+
+    def _start_check(
+        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str
+    ) -> Callable[[], None] | None:
+        """:meth:`_check_same` begun: this rank's summary is sent, and the call
+        returned finishes the check (raising as :meth:`_check_same` does); ``None``
+        where nothing is checked. Nothing may be sent between the two."""
         if not self.check_consistency:
-            return
+            return None
         over, device = exchange(group)
         layout = tensors.layout if isinstance(tensors, Checked) else None
+
+        def unchanged(cause: Exception) -> CollectiveError:
+            return nothing_changed([local_shard(t) for t in tensors], what, cause)
+
         try:
-            check_same_tensors_on_all_ranks(
+            pending = start_rank_check(
                 tensors, over, layout=layout, device=device, context=_WithOptions(self._options, context), what=what
             )
-        except RankMismatchError:
-            raise
         except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
-            raise nothing_changed([local_shard(t) for t in tensors], what, cause) from cause
+            raise unchanged(cause) from cause
+
+        def finish() -> None:
+            try:
+                pending.finish()
+            except RankMismatchError:
+                raise
+            except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
+                raise unchanged(cause) from cause
+        return finish
 
     @_runs_eagerly
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
