@@ -354,3 +354,30 @@ def test_the_counting_sees_per_leaf_work(leaves):
     few, many = (puredist.tree.tree_map(lambda t: t + 1, [torch.zeros(1)] * n) for n in (leaves, 2 * leaves))
     assert _python_calls(lambda: puredist.tree.tree_map(lambda t: t, many)) > _python_calls(
         lambda: puredist.tree.tree_map(lambda t: t, few))
+
+
+class _CountingReads(TorchDispatchMode):
+    """Reads of a tensor's value on the host (``.item()``, ``int()``, ``bool()``): on a
+    GPU each one waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_schedule_reads_the_step_counts_at_once_not_one_per_parameter(optimizer):
+    # fused kernels keep the counts on the parameters' device (as torch's do): a read per
+    # parameter would be a host synchronization per parameter on a GPU
+    make = getattr(puredist, optimizer)
+    opt = make(lambda count: 1e-3 / (1 + count), fused=True, **({"momentum": 0.9} if optimizer == "sgd" else {}))
+    params = [torch.randn(4) for _ in range(SMALL)]
+    grads = [torch.randn(4) for _ in params]
+    state = opt.update_(params, grads, opt.init(params))
+    with _CountingReads() as mode:
+        opt.update_(params, grads, state)
+    assert mode.reads <= 1, mode.reads

@@ -267,7 +267,8 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
     _check_counted(states, why)
-    if transforms_active() and any(vmap_levels(s.step) for s in states):  # (grad keeps one value: read it)
+    transformed = transforms_active()
+    if transformed and any(vmap_levels(s.step) for s in states):  # (grad keeps one value: read it)
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
@@ -275,7 +276,18 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
             "puredist.tree.vmap_axes(state)], "
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
-    return [int(s.step) for s in states]
+    counts = [s.step for s in states]
+    if len(counts) > 1 and not transformed and _tensors_on_one_device(counts):
+        # one read for all (on a GPU, where fused kernels keep the counts, each read waits for the device)
+        return [int(count) for count in torch.stack(counts).tolist()]
+    return [int(count) for count in counts]
+
+
+def _tensors_on_one_device(values: Sequence[object]) -> bool:
+    """Whether ``values`` are 0-dim tensors on one device (one ``torch.stack`` takes them)."""
+    if not all(map(isinstance, values, repeat(torch.Tensor))):
+        return False
+    return {(v.device, v.dim()) for v in values} == {(values[0].device, 0)}
 
 
 Hyper = float | Callable[[int], float]
