@@ -289,6 +289,36 @@ def test_state_dict_hooks_run_as_in_torchs_class():
     assert on_rank_0["puredist"] == on_rank_0["torch"] and on_rank_1["puredist"] == on_rank_1["torch"] == []
 
 
+def _torchs_attributes_and_live_param_groups(rank, world_size):
+    group = dist.new_group([1, 2])  # a subgroup whose ranks are not the global ones
+    if rank == 0:
+        return None
+    seen = {}
+    for name, cls in (("torch", TorchZero), ("puredist", ZeroRedundancyOptimizer)):
+        model = make_net()
+        optimizer = cls(model.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.1, momentum=0.9)
+        attributes = [optimizer.rank, optimizer.world_size, optimizer.global_rank, optimizer.initialized]
+        try:
+            optimizer.state_dict()
+        except RuntimeError as error:
+            unconsolidated = str(error)
+        loss_of(model, rank, 0).backward()
+        optimizer.step()
+        optimizer.consolidate_state_dict(to=1)  # group rank 1: global rank 2
+        optimizer.param_groups[0]["lr"] = 0.5  # e.g. a scheduler's step between the two calls
+        saved = [group["lr"] for group in optimizer.state_dict()["param_groups"]] if rank == 2 else None
+        seen[name] = (attributes, unconsolidated, saved)
+    return seen
+
+
+def test_zero_has_torchs_attributes_and_saves_its_param_groups_as_they_are_at_state_dict():
+    per_rank = run_workers(_torchs_attributes_and_live_param_groups, 3)
+    for global_rank, seen in enumerate(per_rank[1:], start=1):
+        assert seen["puredist"] == seen["torch"], (seen["puredist"], seen["torch"])
+        assert seen["torch"][0] == [global_rank - 1, 2, global_rank, True]
+    assert per_rank[2]["torch"][2] == [0.5]
+
+
 def _bad_input(rank, world_size):
     model = DDP(make_net())
     errors = {}

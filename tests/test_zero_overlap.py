@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.optim.functional_adam import _FunctionalAdam
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
@@ -19,6 +20,9 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "adam": (torch.optim.Adam, dict(lr=0.01)),
 }
+FUNCTIONAL = {"functional adam": (torch.optim.Adam, _FunctionalAdam, dict(lr=0.01))}
+"""torch's functional form of an optimizer (what torch's overlap runs, and takes): the reference steps its
+torch.optim class."""
 ITERATIONS = 10
 # float32, same kernels on the same reduced gradients: equal up to the order in which
 # Gloo sums; 1e-6 relative is far below one training step's change (checked below).
@@ -47,11 +51,14 @@ def ddp(module, static_graph, bucket_view):
 
 def _parity(rank, world_size, combos, accumulate, device="cpu"):
     for hook_name, shard, static_graph, bucket_view, opt_name in combos:
-        optimizer_class, kwargs = OPTIMIZERS[opt_name]
+        if opt_name in OPTIMIZERS:
+            (optimizer_class, kwargs), zero_class = OPTIMIZERS[opt_name], OPTIMIZERS[opt_name][0]
+        else:
+            optimizer_class, zero_class, kwargs = FUNCTIONAL[opt_name]
         reference = ddp(make_net().to(device), static_graph, bucket_view)
         reference_opt = optimizer_class(reference.parameters(), **kwargs)
         model = ddp(make_net().to(device), static_graph, bucket_view)
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, overlap_with_ddp=True, **kwargs)
+        zero = ZeroRedundancyOptimizer(model.parameters(), zero_class, overlap_with_ddp=True, **kwargs)
         model.register_comm_hook(None, HOOKS[hook_name](allreduce_hook, model, zero, shard_buckets=shard))
         initial = [p.detach().clone() for p in model.parameters()]
         for step in range(ITERATIONS):
@@ -77,6 +84,26 @@ ALL_COMBOS = list(itertools.product(HOOKS, [False, True], [False, True], [False,
 def test_every_combination_matches_ddp_with_the_plain_optimizer_at_two_ranks():
     final = run_workers(_parity, 2, ALL_COMBOS, 0, timeout=240)
     assert all(torch.equal(a, b) for a, b in zip(final[0], final[1]))  # same on all ranks
+
+
+def test_torchs_functional_optimizer_is_taken_with_the_overlap_and_steps_as_its_torch_optim_class():
+    run_workers(_parity, 2, [("plain", False, False, False, "functional adam")], 0, timeout=120)
+
+
+def _functional_without_the_overlap(rank, world_size):
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    refusals = []
+    for cls in (ZeroRedundancyOptimizer, TorchZero):
+        with pytest.raises(ValueError) as error:
+            cls(make_net().parameters(), _FunctionalAdam, lr=0.01)
+        refusals.append(str(error.value))
+    return refusals
+
+
+def test_torchs_functional_optimizer_is_refused_without_the_overlap_as_by_torch():
+    ours, torchs = run_workers(_functional_without_the_overlap, 1)[0]
+    assert ours == torchs and "functional optimizer" in torchs
 
 
 @pytest.mark.parametrize("hook_name", list(HOOKS))

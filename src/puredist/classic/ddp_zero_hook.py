@@ -131,7 +131,7 @@ class _OverlappedIteration:
         handle, stepped = CollectiveHandle.merged(self._broadcasts), self._stepped  # received: all or nothing
         self._broadcasts, self._stepped = [], []
         zero = self._zero
-        wait_for_owners(handle, zero._all_params, stepped, zero._plan, zero._rank, "A ZeRO step overlapped with DDP")
+        wait_for_owners(handle, zero._all_params, stepped, zero._plan, zero.rank, "A ZeRO step overlapped with DDP")
         zero._end_iteration()
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.optim.utils import functional_optim_map
 
 from puredist._validation import as_int
 from puredist.collectives import CollectiveHandle, DistributedCollective
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 _NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call "
-    "`consolidate_state_dict(to)` on all ranks beforehand if you meant to save the global state."
+    "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
 )
 
 OVERLAP_OPTIMIZERS = (
@@ -93,22 +94,34 @@ def _listed_params(params: Any) -> list:
     return listed
 
 
-def _check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> None:
-    """As torch: anything that builds an optimizer from param groups and keywords (a
-    class, ``functools.partial`` of one); with the overlap, one of
-    :data:`OVERLAP_OPTIMIZERS`."""
+_FUNCTIONAL_FORMS = tuple(functional_optim_map.items())
+"""``(torch.optim class, torch's functional form of it)``: torch's overlap runs the
+functional form, and takes either class there."""
+
+
+def _local_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
+    """What builds the local optimizer, as torch checks it: anything that builds an
+    optimizer from param groups and keywords (a class, ``functools.partial`` of one);
+    with the overlap, one of :data:`OVERLAP_OPTIMIZERS` or torch's functional form
+    of one (its ``torch.optim`` class is built instead), which torch refuses without it."""
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
     if not callable(optimizer_class):
         raise TypeError(
             f"Arg ``optimizer_class`` must build a torch.optim.Optimizer (a class, or e.g. functools.partial of one), "
             f"got {name} of type {type(optimizer_class).__name__}."
         )
+    for plain, functional in _FUNCTIONAL_FORMS:
+        if optimizer_class is functional:
+            if not overlap_with_ddp:
+                raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
+            optimizer_class = plain
     if overlap_with_ddp and optimizer_class not in OVERLAP_OPTIMIZERS:
         supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in OVERLAP_OPTIMIZERS)
         raise ValueError(
             f"Arg ``optimizer_class`` {name} is not supported with `overlap_with_ddp=True` "
             f"(its step must be per parameter); supported: {supported}."
         )
+    return optimizer_class
 
 
 _NOT_SETTINGS = ("params", "param_names")
@@ -188,6 +201,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             possibly empty); its ``state`` is this rank's shard of the state.
         plan: the :class:`~puredist.sharding.ZeroPlan` (who owns which parameter,
             in the order of ``param_groups``).
+        process_group, rank, world_size, global_rank, initialized: as torch's
+            (``rank`` within ``process_group``, ``global_rank`` in the default group).
 
     Raises:
         TypeError: ``params`` is a tensor or not iterable, or holds something
@@ -195,7 +210,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             optimizer; a keyword argument ``optimizer_class`` does not take.
         ValueError: ``params`` empty or sparse, or a param group without
             ``"params"``; parameters on several devices; ``optimizer_class`` not
-            supported with ``overlap_with_ddp``; several param groups with ``overlap_with_ddp``;
+            supported with ``overlap_with_ddp`` (or torch's functional form of an
+            optimizer without it); several param groups with ``overlap_with_ddp``;
             bad hyper-parameters (as ``optimizer_class`` raises them).
         RankMismatchError: ranks hold different parameter layouts (every rank).
     """
@@ -210,7 +226,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         **defaults: Any,
     ):
         params = _listed_params(params)
-        _check_optimizer_class(optimizer_class, overlap_with_ddp)
+        optimizer_class = _local_optimizer_class(optimizer_class, overlap_with_ddp)
         self._optimizer_class = optimizer_class
         self._overlap_with_ddp = overlap_with_ddp
         self.parameters_as_bucket_view = parameters_as_bucket_view
@@ -219,15 +235,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.optim: torch.optim.Optimizer | None = None
         self._plan: ZeroPlan | None = None
         self._iteration = 0
-        self._consolidated: dict[str, Any] | None = None
+        self._consolidated: dict[int, Any] | None = None  # the whole state, by index (on ``to``)
         self._consolidation_error: Exception | None = None
         self._pristine = True  # no step taken and no state loaded: the plan may still change
+        self.initialized = False  # (torch's flag: set once built)
         super().__init__(params, defaults)
         Joinable.__init__(self)
         if overlap_with_ddp and len(self.param_groups) > 1:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
         _check_dense_on_one_device(self._all_params, "params")
         self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
+        self.initialized = True
 
     # -- ownership ----------------------------------------------------------------
 
@@ -240,8 +258,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         return [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
 
     @property
-    def _rank(self) -> int:
+    def rank(self) -> int:
+        """This process's rank in ``process_group``."""
         return self._collective.rank
+
+    @property
+    def world_size(self) -> int:
+        """The size of ``process_group``."""
+        return self._collective.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group."""
+        return dist.get_global_rank(self.process_group, self.rank)
 
     @property
     def plan(self) -> ZeroPlan:
@@ -250,7 +279,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _owned(self, plan: ZeroPlan, group: int) -> list[torch.Tensor]:
         params, group_of = self._all_params, self._group_of()
-        return [params[i] for i in plan.owned_by(self._rank) if group_of[i] == group]
+        return [params[i] for i in plan.owned_by(self.rank) if group_of[i] == group]
 
     def _adopt_plan(self, plan: ZeroPlan) -> None:
         """Shard by ``plan`` from now on, with a fresh local optimizer; only before
@@ -294,7 +323,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         optimizer the overlap takes steps each parameter alone)."""
         self._pristine = False  # on every rank, also one owning none of these (the plan is fixed from now)
         params, owners, indices = self._all_params, self._plan.owners, list(indices)
-        rank = self._rank
+        rank = self.rank
         mine = [i for i in sorted(indices) if owners[i] == rank]  # (no generator: no Python call per parameter)
         if not mine:
             return broadcast_from_owners_(params, indices, self._plan, self._collective)
@@ -361,7 +390,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         loss = self._local_step(closure, **kwargs)
         everything = range(len(params))
         handle = broadcast_from_owners_(params, everything, self._plan, self._collective)
-        wait_for_owners(handle, params, everything, self._plan, self._rank, "ZeroRedundancyOptimizer.step")
+        wait_for_owners(handle, params, everything, self._plan, self.rank, "ZeroRedundancyOptimizer.step")
         self._end_iteration()
         return loss
 
@@ -419,27 +448,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         )
         local = {
             index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
-            for index in self._plan.owned_by(self._rank)
+            for index in self._plan.owned_by(self.rank)
             if params[index] in self.optim.state
         }
         group = self.process_group
-        gathered = [None] * self._collective.world_size if self._rank == to else None
+        gathered = [None] * self._collective.world_size if self.rank == to else None
         dist.gather_object(local, gathered, dst=dist.get_global_rank(group, to), group=group)
-        if self._rank != to:
+        if self.rank != to:
             self._consolidated = None
             return
         merged = {index: entry for part in gathered for index, entry in part.items()}
+        self._consolidated = dict(sorted(merged.items()))
+
+    def _packed_param_groups(self) -> list[dict[str, Any]]:
+        """``param_groups`` as ``torch.optim`` saves them: each group's settings as
+        they are now, its parameters as their indices in ``params`` order."""
         packed_groups, start = [], 0
         for group_dict in self.param_groups:
             count = len(group_dict["params"])
             settings = {k: v for k, v in group_dict.items() if k != "params"}  # param_names kept
             packed_groups.append({**settings, "params": list(range(start, start + count))})
             start += count
-        self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": packed_groups}
+        return packed_groups
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim`` format, as consolidated
-        (loadable into the non-sharded ``optimizer_class``), through the hooks of
+        """The whole optimizer state in ``torch.optim`` format (loadable into the
+        non-sharded ``optimizer_class``): the state as consolidated, the param groups'
+        settings as they are now (as torch's), through the hooks of
         ``register_state_dict_pre_hook``/``register_state_dict_post_hook``.
 
         Raises:
@@ -452,10 +487,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"{self._consolidation_error}); there is no current state to return. Call it again on every rank."
             ) from self._consolidation_error
         if self._consolidated is None:
-            raise RuntimeError(_NOT_CONSOLIDATED)
+            raise RuntimeError(_NOT_CONSOLIDATED.format(rank=self.rank))
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class runs them
             pre_hook(self)
-        state_dict = dict(self._consolidated)  # (a hook may change the dict it is given: not the consolidation)
+        # (a hook may change the dict it is given: not the consolidation)
+        state_dict = {"state": dict(self._consolidated), "param_groups": self._packed_param_groups()}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
@@ -491,7 +527,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         params, group_of = self._all_params, self._group_of()
         for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
             _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, self._optimizer_class)
-        mine = self._plan.owned_by(self._rank)
+        mine = self._plan.owned_by(self.rank)
         local_state, local_groups, next_id = {}, [], 0
         for g, saved in enumerate(saved_groups):
             in_group = [i for i in mine if group_of[i] == g]
