@@ -499,10 +499,12 @@ def _post_local_sgd_checkpoint_over_nccl(rank, world_size):
     model(torch.ones(2, 4, device=DEVICE)).sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
-    optimizer.load_state_dict(saved)  # its check of the ranks' own states goes over a group that takes its tensor
+    optimizer.load_state_dict(saved)
+    model(torch.ones(2, 4, device=DEVICE)).sum().backward()
+    optimizer.step()  # the first step after a load checks the ranks' own states, over a group that takes its tensor
     return optimizer.averager.step
 
 
 def test_post_local_sgd_loads_its_checkpoint_under_a_device_only_default_group():
     # an NCCL default group has no CPU backend: torch.distributed refuses a CPU tensor there
-    assert run_workers(_post_local_sgd_checkpoint_over_nccl, 1, backend=ONE_RANK_BACKEND) == [1]
+    assert run_workers(_post_local_sgd_checkpoint_over_nccl, 1, backend=ONE_RANK_BACKEND) == [2]
