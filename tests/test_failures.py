@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import puredist
 from faults import fault_at_collective
-from puredist import CollectiveError, DistributedCollective
+from puredist import CollectiveError, DistributedCollective, RankMismatchError
 from workers import run_workers
 
 TENSORS = 16
@@ -155,6 +155,28 @@ def _peer_gone_before_the_check(rank, world_size):
 
 def test_a_peer_gone_before_the_rank_check_is_a_collective_error_that_changed_nothing():
     assert run_workers(_peer_gone_before_the_check, 3, victims=(2,), timeout=60)[:2] == [True, True]
+
+
+def _staging_fails_on_one_rank_of_a_mismatch(rank, world_size, async_op):
+    import puredist._staged as staged
+
+    if rank == 0:  # its first bucket cannot be staged, after its rank check has been sent
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("injected: no staging memory")
+        staged._staging_memory = out_of_memory
+    collective = DistributedCollective()
+    x = torch.ones(4 + rank)  # the ranks' layouts differ
+    for _ in range(2):  # and again, as a loop that catches the error would
+        with pytest.raises(RankMismatchError):
+            collective.mean_([x], async_op=async_op)
+    assert torch.equal(x, torch.ones(4 + rank))
+    return True
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_rank_failing_to_stage_after_sending_its_rank_check_finishes_it_so_that_no_peer_waits(async_op):
+    # every rank raises the mismatch at once; before, the peer waited in the check for the Gloo timeout
+    assert run_workers(_staging_fails_on_one_rank_of_a_mismatch, 2, async_op, timeout=60, gloo_timeout=30) == [True, True]
 
 
 class _Done:

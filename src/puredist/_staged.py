@@ -553,7 +553,10 @@ def run_staged(
         alone_from: see :func:`~puredist._buckets.plan_buckets`.
         gate: called once the first bucket is packed, before any collective starts
             (the rank check's second half: its round trip overlaps the packing). What
-            it raises propagates as it is: nothing was sent or written.
+            it raises propagates as it is: nothing was sent or written. Should
+            anything fail before (the plan, the staging memory, the first packing), the
+            gate is called first and its error wins: a rank check left unfinished would
+            leave the peers waiting in it.
 
     Returns:
         ``None``, or the :class:`CollectiveHandle` when ``async_op``.
@@ -562,6 +565,19 @@ def run_staged(
         CollectiveError: (blocking runs) a collective failed; the error says which
             elements hold the result.
     """
+    gates = [gate] if gate is not None else []
+    try:
+        return _run_staged(tensors, bucket_cap_bytes, launch, layout, what, async_op, pack, pool, scales,
+                           write_back, alone_from, gates)
+    except BaseException:
+        if gates:
+            gates.pop()()  # (the check's own error, if any, wins)
+        raise
+
+
+def _run_staged(tensors, bucket_cap_bytes, launch, layout, what, async_op, pack, pool, scales, write_back,
+                alone_from, gates: list[Callable[[], None]]) -> CollectiveHandle | None:
+    """:func:`run_staged`'s body; ``gates`` holds the gate until it is passed."""
     def bucket_bytes(device: torch.device) -> int:
         return max(1, (bucket_cap_bytes if bucket_cap_bytes is not None else pool.capacity(device)) // 2)
 
@@ -572,7 +588,6 @@ def run_staged(
         lambda: bucket_specs(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from)),
     )
     progress = _Progress(specs, lambda: [t.numel() for t in tensors], what)
-    gates = [gate] if gate is not None else []
 
     def through_gate() -> None:
         if gates:
