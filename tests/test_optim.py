@@ -191,6 +191,33 @@ def test_fused_kernels_match_torch_bitwise(torch_class, functional, kwargs):
                 assert torch.equal(value, their[field]) and value.device == their[field].device, field
 
 
+@pytest.mark.parametrize("pure", [False, True], ids=["update_", "update"])
+@pytest.mark.parametrize("torch_class, functional, kwargs", [
+    (torch.optim.SGD, puredist.sgd, {"lr": 0.5, "momentum": 0.9}),
+    (torch.optim.Adam, puredist.adam, {"lr": 0.01}),
+], ids=["sgd", "adam"])
+def test_fused_kernels_step_a_transposed_parameter_with_a_contiguous_gradient(torch_class, functional, kwargs, pure):
+    # torch's fused kernels pair elements by their place in memory; torch.optim's gradients are laid out like
+    # their parameters by autograd, a pseudo-gradient or a torch.func gradient need not be
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 40, generator=gen).t(), torch.randn(7, generator=gen)]
+    reference = [p.clone().requires_grad_() for p in params]
+    assert reference[0].stride() == params[0].stride() == (1, 40)
+    torch_optimizer = torch_class(reference, fused=True, **kwargs)
+    optimizer = functional(fused=True, **kwargs)
+    state = optimizer.init(params)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]  # contiguous
+        for r, g in zip(reference, grads):
+            r.grad = torch.empty_like(r).copy_(g)  # laid out like the parameter, as autograd does
+        torch_optimizer.step()
+        if pure:
+            params, state = optimizer.update(params, grads, state)
+        else:
+            state = optimizer.update_(params, grads, state)
+    assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference))
+
+
 @pytest.mark.parametrize("functional", [puredist.sgd, puredist.adam, puredist.adamw])
 def test_a_fused_kernel_refuses_complex_parameters_before_stepping_any(functional):
     optimizer = functional(lr=0.1, fused=True)

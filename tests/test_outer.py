@@ -276,3 +276,31 @@ def test_a_checkpoint_without_step_counts_is_refused_by_an_outer_optimizer_that_
     saved["config"] = scheduled.state_dict(scheduled.init(params), rank=0)["config"]  # the same schedule string
     with pytest.raises(ValueError, match="no step count for parameter 0's outer state"):
         scheduled.load_state_dict(scheduled.init(params), saved, rank=0)
+
+
+@pytest.mark.parametrize("options", [
+    dict(global_dtype=torch.float64),
+    dict(global_device="cpu", compressor=puredist.int8_blocks(16)),
+], ids=["fp64 global copy", "compressed"])
+@pytest.mark.parametrize("fused, plain", [
+    (puredist.adam(0.01, fused=True), puredist.adam(0.01)),
+    (puredist.sgd(0.5, momentum=0.9, fused=True), puredist.sgd(0.5, momentum=0.9)),
+], ids=["adam", "sgd"])
+def test_a_fused_outer_optimizer_steps_a_transposed_leaf_as_the_unfused_one(fused, plain, options):
+    # the global copy keeps the leaf's strides, the averaged pseudo-gradient arrives contiguous: torch's
+    # fused kernels pair elements by their place in memory (an independent review found O(lr) errors)
+    replicas = 2
+    base = torch.randn(6, 16, generator=torch.Generator().manual_seed(0)).expand(replicas, 6, 16)  # replicated
+
+    def run(outer):
+        leaf = base.transpose(1, 2).contiguous().transpose(1, 2)  # each replica's [6, 16] with transposed strides
+        transform = puredist.outer_optimizer(outer, sync_every=1, **options)
+        state = transform.init([leaf])
+        collective = puredist.SimulatedCollective(replicas)
+        for step in range(4):
+            with torch.no_grad():
+                leaf.add_(torch.randn(leaf.shape, generator=torch.Generator().manual_seed(step)) * 0.1)  # per replica
+            state = transform.update_([leaf], state, collective=collective)
+        return leaf
+
+    torch.testing.assert_close(run(fused), run(plain), rtol=1e-5, atol=1e-6)

@@ -200,6 +200,22 @@ def _fused_here(fused: bool | None, traced: bool) -> bool | None:
     return False if traced or torch.compiler.is_compiling() else fused
 
 
+def _grads_for(fused: bool | None, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Sequence:
+    """``grads`` as the kernel takes them: for torch's fused kernel each laid out like
+    its parameter (a copy where its strides differ). That kernel pairs a parameter's
+    elements with its gradient's by their place in memory, so a transposed parameter
+    with a contiguous gradient (a pseudo-gradient, a gradient from ``torch.func``)
+    would be stepped with other elements' gradients; ``torch.optim`` never meets one,
+    as autograd lays a ``.grad`` out like its parameter."""
+    if not fused or (not _any_none(grads) and list(map(_STRIDE, params)) == list(map(_STRIDE, grads))):
+        return grads  # (C-level: no Python frame per tensor)
+    return [g if g is None or g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g)
+            for p, g in zip(params, grads)]
+
+
+_STRIDE = torch.Tensor.stride
+
+
 def _sgd_foreach_here(foreach: bool | None, traced: bool) -> bool | None:
     """SGD's multi-tensor choice: off in a recorded step (the for-loop kernel has the
     differentiable form), on while ``torch.compile`` traces: inductor (torch 2.13, CPU)
@@ -277,17 +293,19 @@ def _read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
     counts = [s.step for s in states]
-    if len(counts) > 1 and not transformed and _tensors_on_one_device(counts):
+    if len(counts) > 1 and not transformed and _stackable(counts):
         # one read for all (on a GPU, where fused kernels keep the counts, each read waits for the device)
         return [int(count) for count in torch.stack(counts).tolist()]
     return [int(count) for count in counts]
 
 
-def _tensors_on_one_device(values: Sequence[object]) -> bool:
-    """Whether ``values`` are 0-dim tensors on one device (one ``torch.stack`` takes them)."""
+def _stackable(values: Sequence[object]) -> bool:
+    """Whether ``values`` are 0-dim tensors of one dtype on one device with values
+    (one ``torch.stack`` takes them as they are: no conversion, no meta tensor)."""
     if not all(map(isinstance, values, repeat(torch.Tensor))):
         return False
-    return {(v.device, v.dim()) for v in values} == {(values[0].device, 0)}
+    first = values[0]
+    return first.device.type != "meta" and {(v.device, v.dtype, v.dim()) for v in values} == {(first.device, first.dtype, 0)}
 
 
 Hyper = float | Callable[[int], float]
@@ -672,8 +690,9 @@ def sgd(
             buffers[k] = first_traced_step(params[k], grads[k], lr, weight_decay, momentum)
         rest = [k for k in range(len(params)) if k not in first]
         rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
-        _sgd_kernel([params[k] for k in rest], [grads[k] for k in rest], rest_buffers,
-                    foreach=_sgd_foreach_here(foreach, traced), fused=_fused_here(fused, traced),
+        rest_params, fused_here = [params[k] for k in rest], _fused_here(fused, traced)
+        _sgd_kernel(rest_params, _grads_for(fused_here, rest_params, [grads[k] for k in rest]), rest_buffers,
+                    foreach=_sgd_foreach_here(foreach, traced), fused=fused_here,
                     weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                     maximize=maximize)
         for k, buffer in zip(rest, rest_buffers):
@@ -742,13 +761,14 @@ def _adam_family(
         maximize_here = maximize
         if not decoupled:
             grads, weight_decay, maximize_here = _l2_while_compiling(params, grads, weight_decay, maximize, traced)
+        fused_here = _fused_here(fused, traced)
         _adam_kernel(
-            params, grads,
+            params, _grads_for(fused_here, params, grads),
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
             [s.max_exp_avg_sq for s in states] if amsgrad else [],
             [s.step for s in states],
             foreach=False if traced else foreach,
-            fused=_fused_here(fused, traced),
+            fused=fused_here,
             differentiable=traced,
             has_complex=_any_complex(params),  # else the multi-tensor kernel takes g^2, not |g|^2
             decoupled_weight_decay=decoupled,

@@ -14,8 +14,9 @@ tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment in
 of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
 (:func:`flat_zeros`), and the fragment is compressed and averaged as one tensor
 (:func:`puredist.compression.compressed_mean_flat_`). Elementwise, the results are
-those of the per-leaf path, bit for bit in fp32 and fp64; in 16-bit dtypes on a CPU
-they may differ in the last bit (torch's CPU kernels round the vectorized body of a
+those of the per-leaf path, bit for bit in fp32 and fp64 with torch's for-loop and
+multi-tensor kernels; in 16-bit dtypes on a CPU, and with the fused kernels (``fused=True``)
+in any, they may differ in the last bit (those kernels round the vectorized body of a
 tensor and its tail differently, and the flat buffer's tails are elsewhere).
 
 Whether a list of views still tiles its buffer is decided from the tensors'
