@@ -101,6 +101,24 @@ def _functional_without_the_overlap(rank, world_size):
     return refusals
 
 
+def _functional_defaults(rank, world_size):
+    from torch.distributed.optim.functional_adagrad import _FunctionalAdagrad
+    from torch.distributed.optim.functional_sgd import _FunctionalSGD
+
+    zero = ZeroRedundancyOptimizer(make_net().parameters(), _FunctionalSGD, overlap_with_ddp=True, momentum=0.9)
+    settings = {k: zero.optim.defaults[k] for k in ("lr", "momentum", "foreach", "fused")}
+    with pytest.raises(ValueError, match="warmup_num_iters"):
+        ZeroRedundancyOptimizer(make_net().parameters(), _FunctionalAdagrad, overlap_with_ddp=True, warmup_num_iters=5)
+    return type(zero.optim), settings
+
+
+def test_torchs_functional_optimizer_steps_with_its_own_defaults_and_refuses_arguments_its_class_lacks():
+    # torch's overlap builds _FunctionalSGD(params, **kwargs): lr 0.01 (torch.optim.SGD's is 0.001), one
+    # tensor at a time; Adagrad's functional warm-up arguments have no counterpart in torch.optim.Adagrad
+    cls, settings = run_workers(_functional_defaults, 1)[0]
+    assert cls is torch.optim.SGD and settings == {"lr": 0.01, "momentum": 0.9, "foreach": False, "fused": False}
+
+
 def test_torchs_functional_optimizer_is_refused_without_the_overlap_as_by_torch():
     ours, torchs = run_workers(_functional_without_the_overlap, 1)[0]
     assert ours == torchs and "functional optimizer" in torchs

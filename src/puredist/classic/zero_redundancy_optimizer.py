@@ -20,6 +20,7 @@ entry on every rank before changing anything and never modifies its argument.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -99,11 +100,14 @@ _FUNCTIONAL_FORMS = tuple(functional_optim_map.items())
 functional form, and takes either class there."""
 
 
-def _local_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
-    """What builds the local optimizer, as torch checks it: anything that builds an
-    optimizer from param groups and keywords (a class, ``functools.partial`` of one);
-    with the overlap, one of :data:`OVERLAP_OPTIMIZERS` or torch's functional form
-    of one (its ``torch.optim`` class is built instead), which torch refuses without it."""
+def _local_optimizer(optimizer_class: Any, overlap_with_ddp: bool, defaults: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """What builds the local optimizer and with which arguments, as torch checks them:
+    anything that builds an optimizer from param groups and keywords (a class,
+    ``functools.partial`` of one); with the overlap, one of :data:`OVERLAP_OPTIMIZERS`
+    or torch's functional form of one, which torch refuses without it. For a
+    functional form, its ``torch.optim`` class is built with the functional form's
+    defaults for the arguments not given (torch's functional SGD steps at lr 0.01,
+    its kernels one tensor at a time); arguments only the functional form takes are refused."""
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
     if not callable(optimizer_class):
         raise TypeError(
@@ -114,14 +118,31 @@ def _local_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
         if optimizer_class is functional:
             if not overlap_with_ddp:
                 raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
-            optimizer_class = plain
+            optimizer_class, defaults = plain, _as_arguments_of(plain, functional, defaults)
     if overlap_with_ddp and optimizer_class not in OVERLAP_OPTIMIZERS:
         supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in OVERLAP_OPTIMIZERS)
         raise ValueError(
             f"Arg ``optimizer_class`` {name} is not supported with `overlap_with_ddp=True` "
             f"(its step must be per parameter); supported: {supported}."
         )
-    return optimizer_class
+    return optimizer_class, defaults
+
+
+def _as_arguments_of(plain: type, functional: type, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (arguments of ``functional``) with ``functional``'s defaults for the
+    others that ``plain`` takes; ``ValueError`` for one ``plain`` does not take."""
+    takes = inspect.signature(plain).parameters
+    foreign = sorted(set(given) - set(takes))
+    if foreign:
+        raise ValueError(
+            f"Arg ``{foreign[0]}`` of {functional.__name__} is not supported: puredist's overlap steps "
+            f"torch.optim.{plain.__name__}, which takes no {foreign[0]!r}."
+        )
+    unset = {
+        name: parameter.default for name, parameter in inspect.signature(functional).parameters.items()
+        if name in takes and name not in given and name != "params" and parameter.default is not inspect.Parameter.empty
+    }
+    return {**unset, **given}
 
 
 _NOT_SETTINGS = ("params", "param_names")
@@ -226,7 +247,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         **defaults: Any,
     ):
         params = _listed_params(params)
-        optimizer_class = _local_optimizer_class(optimizer_class, overlap_with_ddp)
+        optimizer_class, defaults = _local_optimizer(optimizer_class, overlap_with_ddp, defaults)
         self._optimizer_class = optimizer_class
         self._overlap_with_ddp = overlap_with_ddp
         self.parameters_as_bucket_view = parameters_as_bucket_view
