@@ -569,7 +569,7 @@ def run_staged(
     try:
         return _run_staged(tensors, bucket_cap_bytes, launch, layout, what, async_op, pack, pool, scales,
                            write_back, alone_from, gates)
-    except BaseException:
+    except Exception:  # (not an interrupt: the check may wait for its peers)
         if gates:
             gates.pop()()  # (the check's own error, if any, wins)
         raise
