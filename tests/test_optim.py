@@ -218,6 +218,28 @@ def test_fused_kernels_step_a_transposed_parameter_with_a_contiguous_gradient(to
     assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_sgd_refuses_16_bit_cpu_parameters_where_torchs_kernel_steps_them_wrongly(dtype):
+    # the oracle: torch's own multi-tensor kernel on the same tensor (torch 2.13's fused one is off by units)
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(64, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    fused, multi = (torch.nn.Parameter(start.clone()) for _ in range(2))
+    for param, kernel in ((fused, dict(fused=True)), (multi, dict(foreach=True))):
+        param.grad = grad.clone()
+        torch.optim.SGD([param], lr=0.5, **kernel).step()
+    torch_is_wrong = not torch.allclose(fused.double(), multi.double(), rtol=4 * torch.finfo(dtype).eps, atol=0)
+    optimizer = puredist.sgd(0.5, fused=True)
+    params = [start.clone(), torch.randn(3)]
+    state = optimizer.init(params)
+    if torch_is_wrong:
+        with pytest.raises(ValueError, match=r"fused.*wrongly.*parameter 0.*nothing was stepped"):
+            optimizer.update_(params, [grad, torch.randn(3)], state)
+        assert torch.equal(params[0], start)
+    else:  # a torch whose kernel is right: stepped as torch steps
+        optimizer.update_(params, [grad, torch.randn(3)], state)
+        assert torch.equal(params[0], fused.detach())
+
+
 @pytest.mark.parametrize("functional", [puredist.sgd, puredist.adam, puredist.adamw])
 def test_a_fused_kernel_refuses_complex_parameters_before_stepping_any(functional):
     optimizer = functional(lr=0.1, fused=True)

@@ -471,3 +471,22 @@ def _whole_world_mixes_shards(rank, world_size):
 
 def test_averaging_shards_over_the_whole_world_raises_on_every_rank():
     assert run_workers(_whole_world_mixes_shards, 4) == [True] * 4
+
+
+def _fused_sgd_on_dtensors(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    param = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    before = param.to_local().clone()
+    optimizer = puredist.sgd(0.1, momentum=0.9, fused=True)
+    state = optimizer.init([param])
+    with pytest.raises(TypeError, match="fused.*DTensor.*nothing was stepped"):
+        optimizer.update_([param], [distribute_tensor(torch.ones(8), mesh, [Shard(0)])], state)
+    return torch.equal(param.to_local(), before)
+
+
+def test_fused_sgd_refuses_dtensor_parameters_before_stepping():
+    # torch's fused SGD kernel has no sharding rule: it raised NotImplementedError from inside the step
+    assert run_workers(_fused_sgd_on_dtensors, 2) == [True, True]

@@ -39,6 +39,7 @@ This module must not communicate: an optimizer steps the tensors it is given, on
 this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.outer`'s).
 """
 
+import functools
 import operator
 from itertools import repeat
 from typing import Any, Callable, NamedTuple, Sequence
@@ -48,6 +49,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
+from puredist._dtensors import DTensor
 from puredist._inputs import is_transformed, transforms_active, vmap_levels
 from puredist._out_of_place import adam_foreach, runs_foreach, sgd_foreach
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
@@ -374,6 +376,49 @@ def _check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name:
         )
 
 
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _check_fused_sgd_takes(params: Sequence[torch.Tensor], fused: bool | None) -> None:
+    """:func:`_check_fused_takes`, and what torch's fused SGD kernel would get wrong or
+    refuse from inside the step: DTensor parameters (no sharding rule for it), and
+    16-bit parameters on a CPU where the installed torch's kernel disagrees with its
+    multi-tensor kernel (torch 2.13's steps a 16-element bf16 tensor 2.4 off after one
+    step at lr 0.7; probed once per dtype)."""
+    _check_fused_takes(params, fused, "sgd")
+    if not fused or torch.compiler.is_compiling():  # (compiled, the fused kernel does not run)
+        return
+    if DTensor is not None and any(map(isinstance, params, repeat(DTensor))):
+        raise TypeError(
+            "Arg ``fused`` of sgd: torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule); "
+            "nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+    if _HALF_DTYPES.isdisjoint(map(_DTYPE, params)) or not any(map(_IS_CPU, params)):
+        return  # (C-level: no Python frame per parameter on the usual path)
+    wrong = [i for i, p in enumerate(params) if p.is_cpu and p.dtype in _HALF_DTYPES and not _cpu_fused_sgd_sound(p.dtype)]
+    if wrong:
+        raise ValueError(
+            f"Arg ``fused`` of sgd: torch {torch.__version__}'s fused SGD kernel on a CPU steps {params[wrong[0]].dtype} "
+            f"tensors wrongly (parameter {wrong[0]}: it disagrees with its multi-tensor kernel by far more than "
+            "rounding); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+
+
+@functools.cache
+def _cpu_fused_sgd_sound(dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD kernel on a CPU steps ``dtype`` tensors as its
+    multi-tensor kernel does, within a few units in the last place."""
+    gen = torch.Generator().manual_seed(0)
+    start, grad = (torch.randn(64, generator=gen).to(dtype) for _ in range(2))
+    stepped = []
+    for fused in (True, False):
+        param = start.clone()
+        _sgd_kernel([param], [grad.clone()], [None], foreach=not fused, fused=fused, weight_decay=0.0, momentum=0.0,
+                    lr=0.5, dampening=0.0, nesterov=False, maximize=False)
+        stepped.append(param.double())
+    return bool(torch.allclose(stepped[0], stepped[1], rtol=4 * torch.finfo(dtype).eps, atol=0.0))
+
+
 def copies(tensors: Sequence[torch.Tensor], *, recorded: bool = False) -> list[torch.Tensor]:
     """Fresh copies of ``tensors`` (values, bits and strides): one multi-tensor kernel
     on a GPU, where a clone per tensor would cost a launch and the host's time for
@@ -498,7 +543,7 @@ def _steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None,
                 or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, map(_DTYPE, params))))
 
 
-_IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtype")
+_IS_SPARSE, _DTYPE, _IS_CPU = operator.attrgetter("is_sparse"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
 
 
 def _any_none(items: Sequence[object]) -> bool:
@@ -730,7 +775,7 @@ def sgd(
         # with dampening the first step starts from the gradient instead (see run)
         return _sgd_state(torch.full_like(p, -0.0, memory_format=torch.preserve_format) if has_momentum else None, count)
 
-    check = lambda params, traced: _check_fused_takes(params, fused and not traced, "sgd")  # noqa: E731
+    check = lambda params, traced: _check_fused_sgd_takes(params, fused and not traced)  # noqa: E731
     hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
     config = _config("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
