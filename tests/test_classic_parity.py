@@ -245,3 +245,25 @@ def _bucketed_in_place(rank, world_size, cap, async_op):
 @pytest.mark.parametrize("cap", [64, 1000, 2**20])  # 2**20: buckets of 512 KiB, divided into their targets
 def test_bucketing_and_async_handle_give_the_exact_mean_in_place(cap, async_op):
     assert run_workers(_bucketed_in_place, 2, cap, async_op) == [True, True]
+
+
+def _averaging_nothing(rank, world_size):
+    outcomes = {}
+    for name, cls in (("torch", torch_averagers.PeriodicModelAverager), ("puredist", classic.PeriodicModelAverager)):
+        model = make_model(seed=0)  # no parameter has a .grad yet: nothing to average
+        before = [p.detach().clone() for p in model.parameters()]
+        averager = cls(period=2, warmup_steps=0)
+        try:
+            averager.average_parameters(model.parameters())
+            outcomes[name] = ("counted", averager.step)
+        except ValueError as error:
+            outcomes[name] = ("raised", str(error))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    return outcomes
+
+
+def test_averaging_nothing_counts_the_step_where_torchs_raises():
+    # README, "Behaviours that differ from torch on purpose"
+    for outcomes in run_workers(_averaging_nothing, 2):
+        assert outcomes["torch"][0] == "raised" and "non-empty" in outcomes["torch"][1]
+        assert outcomes["puredist"] == ("counted", 1)

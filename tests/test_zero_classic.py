@@ -131,6 +131,10 @@ def _checkpoint(rank, world_size, overlap):
     resumed = build()  # loaded before its first iteration
     resumed[0].load_state_dict(checkpoint["model"])
     resumed[1].load_state_dict(checkpoint["zero"])
+    # each rank keeps its own share only (torch's also keeps the whole loaded state in its `state`)
+    params = list(resumed[0].parameters())
+    assert not resumed[1].state
+    assert set(resumed[1].optim.state) == {params[i] for i in resumed[1].plan.owned_by(rank)}
     train(*resumed, range(4, 8))
     assert_close_params(resumed[0], uninterrupted[0])
     return True
