@@ -67,6 +67,35 @@ def test_error_feedback_telescopes_what_was_sent_to_the_true_sum(codec):
     torch.testing.assert_close(sent_total + state.residuals[0].double().mean(0), true_total, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("make, levels", [(int8_blocks, 127), (int4_blocks, 7)], ids=["int8", "int4"])
+def test_a_block_holding_fp32s_largest_values_decodes_finite_within_half_a_step(make, levels):
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, -big, big / 3, 1.0])
+    codec = make(4)
+    decoded = codec.decode(codec.encode(x), 4)
+    assert torch.isfinite(decoded).all(), decoded  # (127 * (FLT_MAX / 127) rounds up to inf in fp32)
+    assert ((x.double() - decoded.double()).abs() <= big / (2 * levels) * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("codec, levels", [(int8_blocks(4), 127), (int4_blocks(4), 7), (top_k(1.0), 127)],
+                         ids=["int8", "int4", "topk"])
+def test_finite_values_near_fp32s_largest_average_to_a_finite_mean_and_the_next_step_runs(codec, levels, replicas):
+    # the mean of terms above FLT_MAX / W is within range, their sum is not: an inf mean, then NaN residuals
+    # that every later step refuses ("non-finite for good"); the oracle is the fp64 mean
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, big * 0.9, -big, 2.0, 1.0, 0.5, 0.25, 3.0]).expand(replicas, 8).clone()
+    x[0, 3] = -2.0
+    averager = compressed_averager(codec)
+    collective = SimulatedCollective(replicas)
+    mean, state = averager.update(x, averager.init(x), collective=collective)
+    assert torch.isfinite(mean).all() and torch.isfinite(state.residuals[0]).all(), (mean, state.residuals)
+    true = x.double().mean(0)  # within a step of each phase's code (top-k of all: exact, but for rounding)
+    assert ((mean[0].double() - true).abs() <= big / levels).all()
+    mean, state = averager.update(torch.zeros(replicas, 8), state, collective=collective)  # the residuals flow out
+    assert torch.isfinite(mean).all() and torch.isfinite(state.residuals[0]).all()
+
+
 @pytest.mark.parametrize("codec, bound", [(int8_blocks(32), 0.02), (int4_blocks(32), 0.2), (top_k(0.05), 0.05)],
                          ids=["int8", "int4", "topk"])
 def test_one_compressed_mean_is_near_the_true_mean(codec, bound):

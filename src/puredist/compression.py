@@ -4,7 +4,8 @@ A :class:`Compressor` turns a flat fp32 tensor into a small payload and back:
 
 - :func:`int8_blocks` / :func:`int4_blocks`: block-wise absmax quantization, one fp32
   scale per block of ``block_size`` values (int4: two values a byte). Per element,
-  ``|x - decode(encode(x))| <= absmax(block) / (2 * levels)`` (levels: 127, 7).
+  ``|x - decode(encode(x))| <= absmax(block) / (2 * levels)`` (levels: 127, 7; for
+  scales in fp32's normal range: a block of subnormals rounds coarser).
 - :func:`top_k`: the ``ceil(fraction * n)`` values of largest magnitude and their
   indices (int32); the rest are sent as zeros.
 
@@ -22,7 +23,10 @@ What a rank's chunks lost in phase 1 is its next residual there; what ``m_c`` lo
 phase 2, times ``W``, is the owner's next residual on chunk ``c`` (which it sends exact
 next time). So the result is ``(1/W) sum_r (x_r + e_r - e_r')`` and error feedback
 telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The
-residuals are the state (checkpoint them with the rest).
+residuals are the state (checkpoint them with the rest). All of this is in fp32: leaves
+of other float dtypes enter as fp32 and their means are cast back, so what that cast
+loses (a 16-bit leaf's rounding, an fp64 leaf's digits beyond fp32's) is outside the
+feedback.
 
 Over a torchft quorum (:class:`puredist.ft.ManagerCollective`), whose members change
 between calls, there are no fixed chunk owners: every contributing replica's whole row,
@@ -38,6 +42,7 @@ selects within each chunk).
 This module must not keep state between calls: residuals go in and out explicitly.
 """
 
+import functools
 import math
 import operator
 from typing import Callable, NamedTuple, Sequence
@@ -101,9 +106,19 @@ def _blocks(x: torch.Tensor, block_size: int, multiple: int) -> tuple[torch.Tens
 def _quantized(x: torch.Tensor, block_size: int, levels: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Integers in ``[-levels, levels]`` per block and the fp32 scales."""
     padded, absmax = _blocks(x, block_size, multiple)
-    scales = absmax / levels
+    scales = (absmax / levels).clamp_(max=_largest_scale(levels))  # (absmax = FLT_MAX: 127 * scale would be inf)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(padded / safe).clamp_(-levels, levels), scales
+
+
+@functools.cache
+def _largest_scale(levels: int) -> float:
+    """The largest fp32 scale whose ``levels`` multiple is finite in fp32 (decoding
+    multiplies by it: ``FLT_MAX / levels`` rounded to fp32 may round up)."""
+    scale = torch.tensor(torch.finfo(torch.float32).max / levels, dtype=torch.float32)
+    while not torch.isfinite(scale * levels):
+        scale = torch.nextafter(scale, torch.zeros(()))
+    return scale.item()
 
 
 def int8_blocks(block_size: int = 128) -> Compressor:
@@ -224,8 +239,12 @@ def _stacked(payloads: list[Payload]) -> Payload:
 
 
 def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 mean, summed in list order: the same bits wherever it is computed."""
-    return sum(chunks) / len(chunks)
+    """fp32 mean, summed in list order: the same bits wherever it is computed. Each
+    term is divided before the sum, so a mean within fp32's range is finite however
+    large its terms (``sum / W`` overflows for terms above ``FLT_MAX / W``: an inf
+    mean, then inf or NaN residuals, which every later call would refuse); for ``W`` a
+    power of two the bits are ``sum / W``'s."""
+    return sum(chunk / len(chunks) for chunk in chunks)
 
 
 def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
@@ -493,9 +512,10 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     """Average pytrees over all ranks with ``compressor``'s payloads and error feedback.
 
     For rank ``r`` at step ``t``, with ``v_r = x_r + e_r`` cut into ``W`` chunks, every
-    rank returns the same ``mean = (1/W) sum_r (v_r - e_r')`` (cast to each leaf's
-    dtype), by the two phases of the module: ``e_r'`` is what chunk ``c``'s payload lost
-    (``c != r``) and, on its own chunk ``r``, ``W`` times what the compressed mean lost.
+    rank returns the same ``mean = (1/W) sum_r (v_r - e_r')`` (in fp32, cast to each
+    leaf's dtype: the cast is outside the error feedback), by the two phases of the
+    module: ``e_r'`` is what chunk ``c``'s payload lost (``c != r``) and, on its own
+    chunk ``r``, ``W`` times what the compressed mean lost.
     All leaves travel as one flat row, so quantization blocks and top-k span leaves.
     With a :class:`~puredist.SimulatedCollective` the leaves are stacked ``[W, *shape]``
     and so are the residuals.
@@ -507,8 +527,12 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     Raises:
         TypeError: ``compressor`` is not a :class:`Compressor`; at ``update``, a
             non-floating-point leaf, or another kind of collective.
+        ValueError: (at ``update``, on every rank, nothing sent) an inf or NaN in a
+            leaf plus its residual on any rank, or a state whose residuals are not
+            one fp32 tensor per leaf, shaped like it.
         RankMismatchError: (at ``update``) ranks pass different layouts or are at
             different steps.
+        CollectiveError: (at ``update``) a collective failed; nothing was written.
     """
     check_compressor(compressor)
 
