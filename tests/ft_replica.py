@@ -173,10 +173,19 @@ def train(manager, store, spec: dict) -> None:
 
         transform = transform._replace(load_state_dict=failing_load_state_dict)
     ft = FaultTolerantOuter(transform, manager)
+    if spec.get("inner"):  # more state registered with the manager (an inner optimizer's), served and healed too
+        failing_inner = [spec.get("inner_load_fails", 0)]
+
+        def load_inner(saved: dict) -> None:
+            if failing_inner[0]:
+                failing_inner[0] -= 1
+                raise ValueError("injected: the inner state does not load")
+
+        manager.register_state_dict_fn("inner", load_inner, lambda: {"lr": 0.1})
     params = make_params()
     state = transform.init(params)
     failures_changed_nothing = True
-    worlds, heal_errors = [], []
+    worlds, heal_errors, peer_went_on = [], [], None
     while state.step < spec["steps"]:
         step = state.step
         if step == spec.get("die_at"):
@@ -202,6 +211,12 @@ def train(manager, store, spec: dict) -> None:
             except HealFailed as again:  # raised again, communicating nothing
                 heal_errors = [str(error), str(again) == str(error) and again.__cause__ is error.__cause__,
                                type(error.__cause__).__name__]
+            if spec.get("linger_s"):  # the process stays up (logging, saving): its peer must not wait for it
+                try:
+                    store.wait([f"done.{spec['linger_for']}"], timedelta(seconds=spec["linger_s"]))
+                    peer_went_on = True
+                except Exception:  # noqa: BLE001 - the store's timeout: the peer is still held up
+                    peer_went_on = False
             break
         if ft.failed != failed:  # nothing applied: `state` itself returned, or (healed in it) the peer's state
             failures_changed_nothing &= all(torch.equal(a, b) for a, b in zip(before, _snapshot(state)))
@@ -211,7 +226,7 @@ def train(manager, store, spec: dict) -> None:
     torch.save({
         "step": state.step, "global": list(state.global_params), "outer": _snapshot(state)[len(state.global_params):],
         "params": dict(params), "failed": ft.failed, "heals": ft.heals, "worlds": worlds,
-        "failures_changed_nothing": failures_changed_nothing, "heal_errors": heal_errors,
+        "failures_changed_nothing": failures_changed_nothing, "heal_errors": heal_errors, "peer_went_on": peer_went_on,
         "last_error": repr(ft.last_error) if ft.last_error is not None else None,
     }, spec["out"])
 

@@ -179,17 +179,28 @@ def test_a_replica_killed_between_synchronizations_leaves_the_other_going_and_re
     assert all(torch.equal(x, y) for x, y in zip(a["outer"], b["outer"]))
 
 
-def test_a_heal_whose_state_does_not_load_stops_that_replica_and_its_peer_goes_on(replicas):
-    replicas.start("a", 0, wait_for=["up.b"], pause_at=13, pause_until="up.b2", steps=30)
-    replicas.start("b", 1, wait_for=["up.a"], die_at=7)
+@pytest.mark.parametrize("failing", ["transform", "registered"])
+def test_a_heal_whose_state_does_not_load_stops_that_replica_and_its_peer_goes_on(replicas, failing):
+    # the transform's own checked load fails, or another load function registered with the manager (torchft runs
+    # those inside start_quorum, after taking the peer's step); b2 then stays up, as a process that logs or
+    # saves would: while its manager heartbeats, the lighthouse holds a's quorums for it
+    inner = failing == "registered"
+    replicas.start("a", 0, wait_for=["up.b"], pause_at=13, pause_until="up.b2", steps=30, inner=inner)
+    replicas.start("b", 1, wait_for=["up.a"], die_at=7, inner=inner)
     assert replicas.wait("b") == 3
-    replicas.start("b2", 1, steps=30, heal_load_fails=1)
+    replicas.start("b2", 1, steps=30, inner=inner, linger_s=40, linger_for="a",
+                   **({"inner_load_fails": 1} if inner else {"heal_load_fails": 1}))
     a, b = replicas.result("a"), replicas.result("b2")
     message, same_error_again, cause = b["heal_errors"]
-    assert "the peer's state did not load (ValueError: injected" in message and "restart the replica group" in message
+    expected = "a load_state_dict function registered with the manager raised (ValueError: injected: the inner" \
+        if inner else "the peer's state did not load (ValueError: injected"
+    assert expected in message and "restart the replica group" in message, message
     assert same_error_again and cause == "ValueError" and b["failures_changed_nothing"] and b["heals"] == 0
     # a waited for b2 in that synchronization until its timeout: it failed, changing nothing; then a went on alone
+    # while b2 was still up (before, the heal was "nothing changed", and b2's next synchronization, at its peers'
+    # torchft step with its own state, made both raise RankMismatchError)
     assert a["failed"] == 1 and a["failures_changed_nothing"] and a["step"] == 30 and a["worlds"][-1] == 1
+    assert b["peer_went_on"]
 
 
 def test_a_replica_killed_inside_a_synchronization_changes_nothing_on_the_survivor(replicas):
@@ -380,6 +391,31 @@ class _HealingManager(_RecordingManager):
         self.quorums += 1
         if self.quorums == 1:
             self.step = 7
+
+
+class _HealThatDoesNotLoadManager(_HealingManager):
+    """A stand-in manager whose first quorum takes a peer's step, then a registered
+    load function raises inside ``start_quorum`` (as torchft's ``_apply_pending_state_dict``)."""
+
+    def start_quorum(self) -> None:
+        super().start_quorum()
+        if self.quorums == 1:
+            raise KeyError("outer_v2")
+
+
+def test_a_heal_whose_registered_state_does_not_load_fails_every_later_reduction_without_communicating():
+    # the replica is at its peers' step with its own state: a later reduction would average its stale values
+    # in as a member's (or fail every replica's rank check); before, the heal was reported as a failed quorum
+    # that changed nothing, and the next reduction joined
+    from puredist.ft import HealFailed
+    manager, tensor = _HealThatDoesNotLoadManager(), torch.arange(4.0)
+    collective = ManagerCollective(manager)
+    with pytest.raises(HealFailed, match=r"torchft step 0 -> 7.*registered with the manager raised \(KeyError") as first:
+        collective.mean_([tensor], context="x")
+    with pytest.raises(HealFailed) as again:
+        collective.mean_([tensor], context="x")
+    assert str(again.value) == str(first.value) and isinstance(again.value.__cause__, KeyError)
+    assert manager.quorums == 1 and torch.equal(tensor, torch.arange(4.0))  # no second quorum; nothing written
 
 
 @pytest.mark.parametrize("abandoned", [False, True])

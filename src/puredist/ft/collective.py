@@ -38,7 +38,7 @@ from puredist._inputs import checked, checked_for_reduction
 from puredist._staged import CollectiveError, CollectiveHandle, nothing_changed
 from puredist.collectives import divides_first
 
-__all__ = ["Healed", "ManagerCollective"]
+__all__ = ["HealFailed", "Healed", "ManagerCollective"]
 
 _DIGEST_BITS = 20
 """Each digest's width: ``c * h**2`` stays exact in float64 for up to 2**13 replicas."""
@@ -55,6 +55,19 @@ class Healed(Exception):
     written, and its peers' reduction completes where it was the same reduction
     (the same tensors' layout; with a different one, from its stale schedule, the
     all-reduce fails at the backend's timeout on every replica)."""
+
+
+class HealFailed(RuntimeError):
+    """A quorum healed this replica from a peer (torchft took the peer's step and
+    history), but the peer's state did not load: a ``load_state_dict`` function
+    registered with the manager raised (its error is the ``__cause__``), or, in
+    :class:`~puredist.ft.FaultTolerantOuter`, the transform's checked load. The replica
+    is at its peers' step with its own, stale state, so it cannot rejoin with this
+    manager: every later reduction of its collective raises this again, communicating
+    nothing (a stale member would otherwise be averaged in, or make every replica
+    fail the rank check). Stop the manager (``manager.shutdown()``) or exit: while it
+    heartbeats, the lighthouse holds its peers' quorums for it. Restart the replica
+    group."""
 
 
 def _digests(text: str) -> tuple[int, int]:
@@ -129,6 +142,7 @@ class ManagerCollective:
         self.restart_on_heal = restart_on_heal
         self._open_role: str | None = None  # a heal left its quorum open: the next reduction's role in it
         self._world_size = 0
+        self._heal_failure: HealFailed | None = None  # a heal whose state did not load: raised again at every call
 
     def abandon_replay(self) -> None:
         """After :class:`Healed`, where the replay will not run: leave the quorum the
@@ -173,6 +187,8 @@ class ManagerCollective:
             TypeError, ValueError: a tensor that cannot be averaged, a ``group_size``
                 — before anything is communicated.
             Healed: the quorum healed this replica (see :class:`Healed`).
+            HealFailed: it healed this replica, but a registered load function
+                raised (or one did at an earlier reduction): nothing is changed.
             RankMismatchError: on every replica, when they pass different layouts or
                 contexts; nothing is changed.
             CollectiveError: the quorum, the all-reduce or the vote failed; nothing is
@@ -206,7 +222,7 @@ class ManagerCollective:
         with ``context``, through the rank check's all-reduce).
 
         Raises:
-            Healed, CollectiveError: as :meth:`mean_`.
+            Healed, HealFailed, CollectiveError: as :meth:`mean_`.
         """
         given = checked(tensors)
         digest = " ".join(str(_value_digest(t)) for t in given.reduced)
@@ -226,7 +242,7 @@ class ManagerCollective:
         even where a replica that refused is alone.
 
         Raises:
-            Healed: as :meth:`mean_`.
+            Healed, HealFailed: as :meth:`mean_`.
             ValueError: on every replica, when some replica refused; nothing sent.
             RankMismatchError: on every replica, when they pass different shapes,
                 dtypes or contexts.
@@ -297,13 +313,25 @@ class ManagerCollective:
         its reduction); return this replica's role in it. Where the quorum heals it:
         with ``restart_on_heal`` raise :class:`Healed` at once, else take part as
         :data:`_HEALED`."""
+        if self._heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
+            raise HealFailed(str(self._heal_failure)) from self._heal_failure.__cause__
         if self._open_role is not None:
             role, self._open_role = self._open_role, None
             return role
         before = self.manager.current_step()
         try:
             self.manager.start_quorum()
-        except Exception as cause:  # noqa: BLE001 - the quorum's error (a timeout), with what it left: nothing
+        except Exception as cause:  # noqa: BLE001 - the quorum's error (a timeout), or a heal's load
+            if self.manager.current_step() != before:  # torchft healed this replica, then a load function raised
+                self._heal_failure = HealFailed(
+                    f"{what}: the quorum healed this replica from a peer (torchft step {before} -> "
+                    f"{self.manager.current_step()}), but a load_state_dict function registered with the manager "
+                    f"raised ({type(cause).__name__}: {cause}); the tensors passed were not written, state registered "
+                    "before that function's may hold the peer's. This replica cannot rejoin with this manager: stop "
+                    "it (manager.shutdown(), else the lighthouse holds its peers' quorums for it) and restart the "
+                    "replica group."
+                )
+                raise self._heal_failure from cause
             # torchft's next start_quorum would re-raise this failed quorum's error for good: forget it
             self.manager._quorum_future = None
             raise nothing_changed(given, what, cause, stage="torchft's quorum") from cause

@@ -19,23 +19,18 @@ This module must not reduce tensors (the collective does) nor start processes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from puredist._bound import options_of
 from puredist._staged import CollectiveError
 from puredist.averaging import _float_leaves
-from puredist.ft.collective import Healed, ManagerCollective
+from puredist.ft.collective import HealFailed, Healed, ManagerCollective
 from puredist.outer.state import OuterState, OuterTransform
 from puredist.tree import PyTree
 
-__all__ = ["FaultTolerantOuter", "HealFailed"]
-
-
-class HealFailed(RuntimeError):
-    """A replica healed from a peer, but the peer's state did not load (see
-    :meth:`FaultTolerantOuter.update_`); its ``__cause__`` is the load's error."""
+__all__ = ["FaultTolerantOuter"]
 
 
 class FaultTolerantOuter:
@@ -111,13 +106,17 @@ class FaultTolerantOuter:
         Raises:
             RankMismatchError: the replicas passed different layouts or contexts.
             ValueError, TypeError: as the transform's ``update_``.
-            HealFailed: this replica healed but its peer's state did not load (or this
-                one failed so before): nothing was written; torchft counts the heal as
-                done (the manager took the peer's step), so this replica cannot rejoin
-                and every later ``update_`` raises it again (a new error, the same
-                message and cause), communicating nothing.
-                Restart the replica group: a new manager heals anew. Its peers fail
-                the one synchronization that waited for it and go on without it.
+            HealFailed: this replica healed but its peer's state did not load (the
+                transform's checked load, or a load function registered with the
+                manager, raised), or this one failed so before: the parameters and
+                the transform's state were not written; torchft counts the heal as
+                done (the manager took the peer's step), so this replica cannot
+                rejoin: the manager is shut down (its heartbeat stops, and the
+                lighthouse with it holds its peers' quorums no longer), and every
+                later ``update_`` raises it again (a new error, the same message and
+                cause), communicating nothing. Restart the replica group: a new
+                manager heals anew. Its peers fail the one synchronization that
+                waited for it and go on without it.
         """
         if self.heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
             raise HealFailed(str(self.heal_failure)) from self.heal_failure.__cause__
@@ -134,14 +133,17 @@ class FaultTolerantOuter:
                 try:
                     state = self._healed(params, state)
                 except Exception as cause:  # noqa: BLE001 - the load's error, kept as the cause
-                    self.heal_failure = HealFailed(
-                        f"This replica healed from a peer at torchft step {self.manager.current_step()}, but the "
-                        f"peer's state did not load ({type(cause).__name__}: {cause}); nothing was written. It "
-                        "cannot rejoin with this manager: restart the replica group."
-                    )
                     self._received = None
                     self.collective.abandon_replay()
-                    raise self.heal_failure from cause
+                    self._retire(HealFailed(
+                        f"This replica healed from a peer at torchft step {self.manager.current_step()}, but the "
+                        f"peer's state did not load ({type(cause).__name__}: {cause}); the parameters and this "
+                        "transform's state were not written (state registered with the manager under other keys "
+                        "may hold the peer's). It cannot rejoin with this manager, which is shut down (its peers' "
+                        "quorums no longer wait for it): restart the replica group."
+                    ), cause)
+            except HealFailed as failure:  # a load function registered with the manager raised in the quorum
+                self._retire(failure, failure.__cause__)
             except CollectiveError as error:  # nothing applied
                 self.failed += 1
                 self.last_error = error
@@ -150,6 +152,14 @@ class FaultTolerantOuter:
                 if state is not given:  # healed in this call: the manager is at its peers' step, and so is `state`
                     self._resume = (given, state)
                 raise
+
+    def _retire(self, failure: HealFailed, cause: BaseException | None) -> NoReturn:
+        """Raise ``failure`` (caused by ``cause``), now and at every later ``update_``,
+        with the manager shut down: it cannot rejoin, and while it heartbeated the
+        lighthouse would hold its peers' quorums for it."""
+        self.heal_failure = failure
+        self.manager.shutdown(wait=False)
+        raise failure from cause
 
     def _healed(self, params: PyTree, state: OuterState) -> OuterState:
         """The peer's state received in this quorum (checked against ``state``), its
