@@ -345,3 +345,30 @@ def _step_under_an_lr_scheduler_and_dcp(rank, world_size):
 
 def test_a_checkpoint_through_an_lr_schedulers_wrapper_neither_steps_the_averager_nor_averages():
     assert run_workers(_step_under_an_lr_scheduler_and_dcp, 2) == [True, True]
+
+
+def _scheduled_and_grown_after_a_load(rank, world_size):
+    """After a resume, an lr scheduler and ``add_param_group`` act through the wrapper
+    on the local optimizer, as on a plain ``torch.optim.SGD`` put through the same
+    calls (the oracle); the group added is averaged."""
+    model, optimizer, _ = build(PUREDIST, None)
+    plain = torch.optim.SGD(make_model(seed=0).parameters(), lr=0.05, momentum=0.9)
+    train_step(model, optimizer, rank, 0)
+    optimizer.load_state_dict(optimizer.state_dict())
+    plain.load_state_dict(plain.state_dict())
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1) for o in (optimizer, plain)]
+    for scheduler in schedulers:
+        scheduler.step()
+    extra = torch.nn.Parameter(torch.full((3,), float(rank)))
+    optimizer.add_param_group({"params": [extra]})
+    optimizer.averager.step = optimizer.averager.warmup_steps  # the next step averages
+    extra.grad = torch.zeros(3)
+    optimizer.step()
+    return [g["lr"] for g in optimizer.optim.param_groups], plain.param_groups[0]["lr"], extra.detach().tolist()
+
+
+def test_an_lr_scheduler_and_a_group_added_after_a_load_reach_the_local_optimizer():
+    # torch's wrapper keeps the param_groups list of its construction, which a load replaces: its schedule froze
+    # at the saved lr, and a group added after the load was stepped but never averaged
+    for lrs, plain_lr, extra in run_workers(_scheduled_and_grown_after_a_load, 2):
+        assert lrs[0] == plain_lr == pytest.approx(0.005) and extra == [0.5] * 3

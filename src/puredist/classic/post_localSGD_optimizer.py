@@ -129,13 +129,25 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager):
         self.optim = optim
-        self.param_groups = self.optim.param_groups
         self.averager = averager
-        self._loaded: tuple[bool, str] | None = None  # set by load_state_dict, checked at the next step
+        # set by load_state_dict, checked at the next step: (foreign, the saved parameters' digest, their count)
+        self._loaded: tuple[bool, str, int] | None = None
 
     @property
     def state(self):  # type: ignore[override]
         return self.optim.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The local optimizer's param groups: its list of now. (torch's wrapper keeps
+        the list it was built with, which the local optimizer's ``load_state_dict``
+        replaces: after a resume an lr scheduler's changes no longer reached the local
+        optimizer, and a group added then was stepped but never averaged.)"""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
 
     def __repr__(self):
         return self.optim.__repr__()
@@ -156,11 +168,12 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _verdict(self, state_dict: dict[str, Any]) -> tuple[bool, str] | None:
+    def _verdict(self, state_dict: dict[str, Any]) -> tuple[bool, str, int] | None:
         """Whether this rank is about to load optimizer state that is not its own (see
-        the module docstring), and the saved parameters' digest for the first step to
-        compare; ``None``: no digests, or an older format, on every rank alike: nothing
-        to check. Local: no collective."""
+        the module docstring), and the saved parameters' digest and count for the
+        first step to compare (with the first that many parameters: groups added after
+        the load are not the checkpoint's); ``None``: no digests, or an older format,
+        on every rank alike: nothing to check. Local: no collective."""
         rank = _rank()
         digests = {k: v for group in state_dict["param_groups"] for k, v in group.items() if k.startswith(LOCAL_DIGEST_KEY)}
         if rank is None or not digests or not all(":" in v for v in digests.values()):
@@ -174,16 +187,17 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # a rank holding another rank's file otherwise refuses (its momentum is its own even where the
         # parameters are equal, as right after an averaging)
         params_digest, _, state_digest = (own or "").partition(":")
-        return own is None or state_digest != _digest(tensors), params_digest
+        count = sum(len(group["params"]) for group in state_dict["param_groups"])  # (groups added since: not saved)
+        return own is None or state_digest != _digest(tensors), params_digest, count
 
     def _check_loaded(self) -> None:
         """At the first step after a load: raise on every rank of the averager's group,
         before stepping, if some rank loaded optimizer state that is not its own or
         holds parameters other than those it was saved with (and keep refusing, at
         every step, until the next load)."""
-        foreign, saved = self._loaded
+        foreign, saved, count = self._loaded
         group = getattr(self.averager, "process_group", None) or dist.group.WORLD
-        if _any_rank(foreign or saved != _digest(self._params()), group):
+        if _any_rank(foreign or saved != _digest(self._params()[:count]), group):
             raise RuntimeError("PostLocalSGDOptimizer.step: " + _FOREIGN.format(
                 "nothing was stepped (the state loaded last, or the parameters, are not those this rank saved "
                 "them with: load this rank's own checkpoint)"))
