@@ -268,3 +268,34 @@ def test_param_groups_given_as_iterators_select_what_torchs_function_selects():
         with pytest.raises(NotImplementedError, match="Parameter input of type <class 'int'> is not supported"):
             get(endless())
 
+
+
+def _subclasses(base):
+    """Subclasses of ``base`` (a ``ModelAverager``) as users write them: one setting
+    ``step`` before ``super().__init__``, one never calling it."""
+
+    class StepFirst(base):
+        def __init__(self):
+            self.step = 5
+            super().__init__(process_group=object())  # (any group: nothing is averaged)
+
+        def average_parameters(self, params):
+            self.step += 1
+
+    class NoSuper(base):
+        def __init__(self):
+            self.process_group, self.step = None, 0
+
+        def average_parameters(self, params):
+            self.step += 1
+
+    return StepFirst, NoSuper
+
+
+def test_model_averager_subclasses_that_set_the_step_early_or_skip_init_count_as_torchs():
+    for ours, theirs in zip(_subclasses(classic.ModelAverager), _subclasses(torch_averagers.ModelAverager)):
+        mine, reference = ours(), theirs()
+        for averager in (mine, reference):
+            averager.average_parameters([])
+            averager.average_parameters([])
+        assert mine.step == reference.step, type(mine).__name__

@@ -39,6 +39,8 @@ class ModelAverager(ABC):
             :class:`~puredist.averaging.AveragerState`.
     """
 
+    _state = AveragerState(step=0)  # (a subclass may set ``step`` before ``super().__init__``, or never call it)
+
     def __init__(self, process_group: dist.ProcessGroup | None = None):
         if process_group is None and dist.group.WORLD is None:
             raise TypeError(  # torch's type and text (its not_none check), with the cause
