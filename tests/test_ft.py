@@ -316,6 +316,20 @@ def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
             FaultTolerantOuter(transform, manager=None)
 
 
+def test_bad_arguments_are_refused_by_name_before_any_manager_call():
+    with pytest.raises(TypeError, match="Arg ``transform`` must be an outer-optimization transform"):
+        FaultTolerantOuter(puredist.sgd(0.5), manager=None)  # an optimizer, not a transform
+    with pytest.raises(TypeError, match=r"Arg ``timeout`` must be a datetime.timedelta, got 5"):
+        puredist.ft.replica_manager("r", "localhost:1", timeout=5)
+    with pytest.raises(TypeError, match=r"Arg ``quorum_timeout`` must be a datetime.timedelta"):
+        puredist.ft.replica_manager("r", "localhost:1", quorum_timeout=60.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"Arg ``device`` is 'cuda:0', but this process has no CUDA device"):
+            puredist.ft.replica_manager("r", "localhost:1", device="cuda:0")
+    with pytest.raises(ValueError, match="Arg ``tensors`` must be a non-empty list"):
+        ManagerCollective(manager=None).all_gather_rows([], context="x")  # (no quorum started: no manager call)
+
+
 @pytest.mark.parametrize("setting", ["_use_async_quorum", "_init_sync"])
 def test_manager_collective_refuses_a_manager_that_would_heal_unseen(setting):
     manager = type("Manager", (), {setting: True})()  # what torchft's Manager keeps of its arguments

@@ -251,6 +251,8 @@ class ManagerCollective:
         from torch.distributed.distributed_c10d import AllgatherOptions
         from torchft.process_group import ManagedProcessGroup
 
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError(f"Arg ``tensors`` must be a non-empty list of tensors (the payload), got {tensors!r}.")
         tensors = [t.contiguous() for t in tensors]
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)

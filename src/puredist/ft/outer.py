@@ -56,10 +56,16 @@ class FaultTolerantOuter:
         heal_failure: the :class:`HealFailed` this replica raised (``None``: none).
 
     Raises:
+        TypeError: ``transform`` is not from :func:`puredist.outer_optimizer`.
         ValueError: a transform with a delay, lower levels or no warm-up.
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
+        if not isinstance(transform, OuterTransform):
+            raise TypeError(
+                "Arg ``transform`` must be an outer-optimization transform (puredist.outer_optimizer(...)), got "
+                f"{type(transform).__name__}."
+            )
         config = options_of(transform.update)
         if config.delay or config.lower_sizes or config.warmup_steps < 1:
             raise ValueError(

@@ -48,14 +48,22 @@ def replica_manager(
         device: where the tensors to reduce live.
 
     Raises:
-        ValueError: ``min_replicas < 1``, or no lighthouse given or in the
-            environment.
+        ValueError: ``min_replicas < 1``, no lighthouse given or in the
+            environment, or a CUDA ``device`` where there is none.
+        TypeError: a ``timeout`` or ``quorum_timeout`` that is not a ``timedelta``.
     """
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise ValueError(f"Arg ``min_replicas`` must be a whole number >= 1, got {min_replicas!r}.")
+    for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+        if not isinstance(value, timedelta):
+            raise TypeError(f"Arg ``{name}`` must be a datetime.timedelta, got {value!r}.")
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"Arg ``device`` is {device!r}, but this process has no CUDA device (torch "
+                         f"{torch.__version__}): NCCL cannot reduce its tensors.")
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not lighthouse:
         raise ValueError("Arg ``lighthouse`` is None and TORCHFT_LIGHTHOUSE is not set: give the lighthouse's address.")
@@ -66,7 +74,6 @@ def replica_manager(
     else:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         store_addr, store_port, rank, world_size = "127.0.0.1", store.port, 0, 1
-    cuda = torch.device(device).type == "cuda"
     manager = Manager(
         pg=ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout),
         load_state_dict=None,
