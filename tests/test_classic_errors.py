@@ -26,6 +26,8 @@ CASES = {
     "last size is not the world": (lambda m: m.HierarchicalModelAverager({2: 2, 4: 2}), ValueError),
     "size does not divide the world": (lambda m: m.HierarchicalModelAverager({2: 3, 4: 4}), ValueError),
     "negative warmup in hierarchy": (lambda m: m.HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=-2), ValueError),
+    "last size is not the world, and negative warmup": (
+        lambda m: m.HierarchicalModelAverager({2: 2, 4: 2}, warmup_steps=-1), ValueError),
     "unsupported param type": (lambda m: m.get_params_to_average([torch.zeros(2)]), NotImplementedError),
 }
 # torch accepts a hierarchy whose periods are not increasing and then never reaches
@@ -103,6 +105,8 @@ def test_same_exception_type_as_torch(outcomes, case):
         ("negative warmup", "got -1"),
         ("period 0 and negative warmup", "warmup_steps.*got -1"),  # torch checks the warm-up first
         ("last size is not the world", "2 must be equal to the size of arg ``process_group`` 4"),
+        # torch checks the group sizes before the warm-up
+        ("last size is not the world, and negative warmup", "2 must be equal to the size of arg ``process_group`` 4"),
         ("size does not divide the world", "divisor of the group's size 4, got 3"),
         ("periods out of order", "strictly increasing.*\\[4, 2\\]"),
     ],

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import torch.distributed as dist
 
-from puredist._validation import as_int, check_hierarchy_group_sizes, check_hierarchy_periods
+from puredist._validation import as_int, check_hierarchy_group_sizes, check_hierarchy_periods, warn_if_max_period_is_one
 from puredist.averaging import hierarchical_averager_warning_at
 from puredist.classic.averagers import _CoreAverager
 from puredist.collectives import DistributedCollective, subgroup
@@ -54,11 +54,13 @@ class HierarchicalModelAverager(_CoreAverager):
         hierarchy = {as_int(period): as_int(size) for period, size in (period_group_size_dict or {}).items()}
         check_hierarchy_periods(tuple(hierarchy), arg="period_group_size_dict")  # torch's names in messages
         self._hierarchy = hierarchy
-        self._schedule(warmup_steps, stacklevel=4)  # the warning at the caller's line
+        # in torch's order: the warning (at the caller's line), the group sizes, the warm-up
+        warn_if_max_period_is_one(tuple(hierarchy), stacklevel=2)
         overall_group_size = dist.get_world_size(group=self.process_group)
         check_hierarchy_group_sizes(
             tuple(hierarchy.values()), overall_group_size, arg="period_group_size_dict", whole="arg ``process_group``"
         )
+        self._schedule(warmup_steps, stacklevel=None)
 
         self.period_process_group_dict = OrderedDict()
         logger.info("Model averaging hierarchy:")
