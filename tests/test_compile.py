@@ -98,3 +98,26 @@ def test_a_whole_functional_step_compiles_with_inductor_and_equals_eager(name):
     _assert_trees_close(compiled_run, eager, max(atol, 1e-6))  # inductor fuses: rounding differs (1e-7)
     moved = loss(compiled_run[0]) - loss(params)
     assert moved > 0 if "maximize" in name else moved < 0
+
+
+def _chain(error: BaseException) -> str:
+    """The messages of ``error`` and its causes (dynamo wraps what the traced code raised)."""
+    messages = []
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(messages)
+
+
+def test_tree_map_refuses_a_value_where_the_first_tree_has_none_compiled_as_eagerly():
+    # eagerly optree raises ("Expected None"); compiled, None was a leaf of torch's spec and the other tree's tensor
+    # there was dropped without a word
+    first, other = [torch.ones(1), None], [torch.ones(1), torch.ones(1)]
+    add = lambda a, b: puredist.tree.tree_map(torch.add, a, b)  # noqa: E731
+    with pytest.raises(ValueError, match="Expected None"):
+        add(first, other)
+    with pytest.raises(ValueError, match="a value where it has None"):
+        torch.compile(add)(first, other)
+    with pytest.raises(Exception) as error:  # fullgraph: dynamo raises its own error, ours as the cause
+        torch.compile(add, fullgraph=True)(first, other)
+    assert "a value where it has None" in _chain(error.value)

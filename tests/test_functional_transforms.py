@@ -87,6 +87,17 @@ def test_a_vmap_collective_is_refused_where_there_is_no_replica_axis_of_its_size
         vmap(lambda t: average(t, collective=VmapCollective(4), group_size=3))(torch.ones(4, 2))
     with pytest.raises(NotImplementedError, match="inside torch.func.vmap"):
         VmapCollective(2).check_replicated([torch.ones(1)], what="the initial parameters")
+    for bad in (3, 0, -2, 8):  # (unflatten errors, ZeroDivisionError before)
+        with pytest.raises(ValueError, match=f"``group_size`` {bad} must divide the number of replicas 4"):
+            vmap(lambda t: puredist.replicas.replica_mean(t, bad, 4))(torch.ones(4, 2))
+    # a broadcast outside vmap returned each tensor as it was: every replica its own value, silently
+    with pytest.raises(RuntimeError, match="broadcast outside torch.func.vmap"):
+        VmapCollective(2).broadcast([torch.arange(4.0).reshape(2, 2)], src=1)
+    assert torch.equal(VmapCollective(1).broadcast([torch.ones(2)], src=0)[0], torch.ones(2))  # one replica: itself
+    with pytest.raises(TypeError, match=r"Arg ``src`` must be an int, got True"):
+        vmap(lambda t: VmapCollective(2).broadcast([t], src=True))(torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"Arg ``tensors``: element 1 is a float, not a tensor"):
+        vmap(lambda t: VmapCollective(2).broadcast([t, 1.0], src=0))(torch.ones(2, 3))
 
 
 # One training step, written once for one rank: local SGD on a least-squares loss,

@@ -73,6 +73,11 @@ def test_hierarchical_rejects_bad_periods(periods, match):
         hierarchical_schedule(periods)
 
 
+def test_hierarchical_names_periods_that_are_not_a_sequence():
+    with pytest.raises(TypeError, match=r"Arg ``periods`` must be a sequence of ints, got 5"):
+        hierarchical_schedule(5)
+
+
 def test_errors_name_the_argument_of_the_function_called():
     import puredist
     from puredist import SimulatedCollective

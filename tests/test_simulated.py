@@ -168,3 +168,17 @@ def test_pure_results_are_fresh_tensors_with_a_row_each(group_size):
     out[0].fill_(7.0)
     assert not torch.equal(out[1], out[0])
     average_([out], collective=SimulatedCollective(4))  # averaging it in place is allowed
+
+
+def test_the_strategies_refuse_bad_arguments_by_name_when_built():
+    from puredist.testing import parameter_trees
+
+    for kwargs, match in [({"replicas": 0}, "``replicas`` must be an int >= 1, got 0"),
+                          ({"replicas": -1}, "``replicas``"), ({"max_leaves": 0}, "``max_leaves``"),
+                          ({"dtypes": (torch.int64,)}, "floating-point torch dtypes"), ({"dtypes": ()}, "non-empty")]:
+        with pytest.raises(ValueError, match=match):
+            parameter_trees(**kwargs)
+    with pytest.raises(ValueError, match="``replica_counts`` must not be empty"):
+        replica_worlds(())
+    with pytest.raises(ValueError, match="``replica_counts`` must be an int >= 1, got 0"):
+        replica_worlds((0, 2))

@@ -29,6 +29,7 @@ import torch
 from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
+from puredist._validation import _check_int
 from puredist.collectives import CollectiveHandle, ReplicaGroups, block_mean
 
 __all__ = ["VmapCollective", "replica_mean"]
@@ -91,8 +92,10 @@ def replica_mean(tensor: torch.Tensor, group_size: int, num_replicas: int) -> to
 
     Raises:
         RuntimeError: outside ``vmap`` with ``group_size > 1``.
-        ValueError: the innermost ``vmap`` does not map over ``num_replicas``.
+        ValueError: the innermost ``vmap`` does not map over ``num_replicas``, or
+            ``group_size`` does not divide ``num_replicas`` (``num_replicas < 1``).
     """
+    ReplicaGroups(num_replicas)._size(group_size)
     return _ReplicaMean.apply(tensor, group_size, num_replicas)
 
 
@@ -171,14 +174,20 @@ def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
     replica. Under ``torch.compile``, which traces ``vmap`` itself and cannot read
     functorch's stack, every tensor is taken as mapped: the replica operators then
     raise for one that no vmap maps (an outer vmap's tensor is not told apart there)."""
-    functorch = torch._C._functorch
     if torch.compiler.is_compiling():
         return []
-    levels = [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
+    levels = _vmap_levels_active()
     if not levels:
         return list(range(len(tensors)))
 
     return [k for k, t in enumerate(tensors) if levels[-1] not in vmap_levels(t)]
+
+
+def _vmap_levels_active() -> list[int]:
+    """The levels of the ``torch.func.vmap`` transforms active, innermost last (read
+    eagerly only: the compiler traces ``vmap`` itself)."""
+    functorch = torch._C._functorch
+    return [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
 
 
 class VmapCollective(ReplicaGroups):
@@ -231,11 +240,27 @@ class VmapCollective(ReplicaGroups):
         already). Differentiable: the gradient of replica ``src``'s value is the sum
         of the incoming gradients over the replicas, zero for the others.
 
+        Under ``torch.compile`` every tensor must be mapped (the compiler traces
+        ``vmap`` itself, so an unmapped one cannot be told apart: it raises).
+
         Raises:
+            TypeError: ``src`` is not an int, or a tensor is not one.
             ValueError: ``src`` is not a replica.
+            RuntimeError: outside ``torch.func.vmap`` (over more than one replica):
+                there is no replica axis to take replica ``src``'s value from.
         """
+        _check_int("src", src)
         if not 0 <= src < self.num_replicas:
             raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
+        if not all(isinstance(t, torch.Tensor) for t in tensors):  # (any dtype: a broadcast does no arithmetic)
+            k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+            raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")
+        if self.num_replicas > 1 and not torch.compiler.is_compiling() and not _vmap_levels_active():
+            raise RuntimeError(  # (every tensor would pass as unmapped: each replica's own value, silently)
+                f"A VmapCollective over {self.num_replicas} replicas broadcast outside torch.func.vmap: there is no "
+                "replica axis to take replica src's value from (vmap the step over the replicas, or use "
+                "SimulatedCollective on the stacked tensors)."
+            )
         unmapped = set(_unmapped(tensors))
         return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas, False)
                 for k, t in enumerate(tensors)]

@@ -16,7 +16,7 @@ rank, without a device synchronization.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from puredist._validation import (
     check_hierarchy_periods,
@@ -66,7 +66,10 @@ def hierarchical_schedule(
     Raises:
         ValueError: empty, non-positive or not strictly increasing ``periods``, or
             ``warmup_steps < 0``.
+        TypeError: ``periods`` is not a sequence.
     """
+    if not isinstance(periods, Iterable):
+        raise TypeError(f"Arg ``periods`` must be a sequence of ints, got {periods!r}.")
     periods = tuple(periods)
     check_hierarchy_periods(periods, arg="periods")
     check_warmup_steps(warmup_steps)

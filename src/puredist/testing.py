@@ -40,13 +40,37 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@st.composite
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Arg ``{name}`` must be an int >= 1, got {value!r}.")
+
+
+def _check_dtypes(dtypes: Sequence[torch.dtype]) -> None:
+    dtypes = list(dtypes)
+    if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+        raise ValueError(f"Arg ``dtypes`` must be a non-empty sequence of floating-point torch dtypes, got {dtypes!r}.")
+
+
 def parameter_trees(
-    draw, replicas: int | None = None, dtypes: Sequence[torch.dtype] = DTYPES, max_leaves: int = 8
-) -> PyTree:
+    replicas: int | None = None, dtypes: Sequence[torch.dtype] = DTYPES, max_leaves: int = 8
+) -> st.SearchStrategy[PyTree]:
     """A nested pytree (dicts, lists, tuples, ``None`` leaves) of random tensors of
     up to 3 dimensions of size 1 to 4, each of one of ``dtypes``; with ``replicas``,
-    every tensor has a leading replica axis of that size (rank ``r`` is row ``r``)."""
+    every tensor has a leading replica axis of that size (rank ``r`` is row ``r``).
+
+    Raises:
+        ValueError: ``replicas`` or ``max_leaves`` not an int >= 1, or ``dtypes``
+            empty or holding a dtype that is not floating-point.
+    """
+    if replicas is not None:
+        _check_positive("replicas", replicas)
+    _check_positive("max_leaves", max_leaves)
+    _check_dtypes(dtypes)
+    return _parameter_trees(replicas, tuple(dtypes), max_leaves)
+
+
+@st.composite
+def _parameter_trees(draw, replicas: int | None, dtypes: Sequence[torch.dtype], max_leaves: int) -> PyTree:
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     lead = () if replicas is None else (replicas,)
 
@@ -66,11 +90,28 @@ def parameter_trees(
     return draw(tree)
 
 
-@st.composite
-def replica_worlds(draw, replica_counts: Sequence[int] = (1, 2, 3, 4, 6, 8), dtypes: Sequence[torch.dtype] = DTYPES):
+def replica_worlds(
+    replica_counts: Sequence[int] = (1, 2, 3, 4, 6, 8), dtypes: Sequence[torch.dtype] = DTYPES
+) -> st.SearchStrategy[tuple[int, int, PyTree]]:
     """``(replicas, group_size, tree)``: a number of simulated ranks, a group size
     dividing it (a level of a hierarchy), and a :func:`parameter_trees` tree with
-    that many replicas."""
+    that many replicas.
+
+    Raises:
+        ValueError: ``replica_counts`` empty or holding a count that is not an int
+            >= 1; ``dtypes`` as :func:`parameter_trees`.
+    """
+    replica_counts = tuple(replica_counts)
+    if not replica_counts:
+        raise ValueError("Arg ``replica_counts`` must not be empty.")
+    for count in replica_counts:
+        _check_positive("replica_counts", count)
+    _check_dtypes(dtypes)
+    return _replica_worlds(replica_counts, tuple(dtypes))
+
+
+@st.composite
+def _replica_worlds(draw, replica_counts: Sequence[int], dtypes: Sequence[torch.dtype]):
     replicas = draw(st.sampled_from(list(replica_counts)))
     group_size = draw(st.sampled_from(divisors(replicas)))
     return replicas, group_size, draw(parameter_trees(replicas, dtypes))

@@ -45,8 +45,11 @@ class _TracedSpec:
         """``other``'s subtrees where this tree has leaves (e.g. per-parameter states)."""
         try:
             leaves = self.spec.flatten_up_to(other)
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"Expected a tree of structure {self.spec}, got {other!r}.") from error
+        except (ValueError, TypeError) as error:  # (no tensor formatted: the compiler cannot)
+            raise ValueError(f"Expected a tree of structure {self.spec}, got a {type(other).__name__} of another "
+                             "structure.") from error
+        if any(leaf is not None for leaf, kept in zip(leaves, self.kept) if not kept):  # as eager: None matches None
+            raise ValueError(f"Expected a tree of structure {self.spec}, got one with a value where it has None.")
         return [leaf for leaf, kept in zip(leaves, self.kept) if kept]
 
     def unflatten(self, leaves: list[Any]) -> PyTree:
