@@ -77,7 +77,7 @@ def test_a_block_holding_fp32s_largest_values_decodes_finite_within_half_a_step(
     assert ((x.double() - decoded.double()).abs() <= big / (2 * levels) * (1 + 1e-5)).all()
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [2, 3, 10, 20])  # (10, 20: a sum of FLT_MAX / W rounded past FLT_MAX)
 @pytest.mark.parametrize("codec, levels", [(int8_blocks(4), 127), (int4_blocks(4), 7), (top_k(1.0), 127)],
                          ids=["int8", "int4", "topk"])
 def test_finite_values_near_fp32s_largest_average_to_a_finite_mean_and_the_next_step_runs(codec, levels, replicas):

@@ -239,12 +239,13 @@ def _stacked(payloads: list[Payload]) -> Payload:
 
 
 def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 mean, summed in list order: the same bits wherever it is computed. Each
-    term is divided before the sum, so a mean within fp32's range is finite however
-    large its terms (``sum / W`` overflows for terms above ``FLT_MAX / W``: an inf
-    mean, then inf or NaN residuals, which every later call would refuse); for ``W`` a
-    power of two the bits are ``sum / W``'s."""
-    return sum(chunk / len(chunks) for chunk in chunks)
+    """fp32 mean, summed in list order: the same bits wherever it is computed. The
+    sum is taken in fp64 and divided there, then rounded to fp32 once, so a mean
+    within fp32's range is finite however large its terms (an fp32 sum overflows for
+    terms above ``FLT_MAX / W``, and a sum of terms divided first can round past
+    ``FLT_MAX``: an inf mean, then inf or NaN residuals, which every later call would
+    refuse)."""
+    return (sum(chunk.double() for chunk in chunks) / len(chunks)).float()
 
 
 def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:

@@ -117,8 +117,9 @@ class FaultTolerantOuter:
                 manager, raised), or this one failed so before: the parameters and
                 the transform's state were not written; torchft counts the heal as
                 done (the manager took the peer's step), so this replica cannot
-                rejoin: the manager is shut down (its heartbeat stops, and the
-                lighthouse with it holds its peers' quorums no longer), and every
+                rejoin: the manager is shut down (on the group's rank 0, which
+                sends the group's heartbeat, that stops it, and the lighthouse no
+                longer holds the peers' quorums for this group), and every
                 later ``update_`` raises it again (a new error, the same message and
                 cause), communicating nothing. Restart the replica group: a new
                 manager heals anew. Its peers fail the one synchronization that
@@ -161,8 +162,9 @@ class FaultTolerantOuter:
 
     def _retire(self, failure: HealFailed, cause: BaseException | None) -> NoReturn:
         """Raise ``failure`` (caused by ``cause``), now and at every later ``update_``,
-        with the manager shut down: it cannot rejoin, and while it heartbeated the
-        lighthouse would hold its peers' quorums for it."""
+        with the manager shut down: it cannot rejoin, and while its group heartbeats
+        (from its rank 0's manager) the lighthouse would hold its peers' quorums for
+        it."""
         self.heal_failure = failure
         self.manager.shutdown(wait=False)
         raise failure from cause
