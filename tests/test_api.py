@@ -113,3 +113,24 @@ def test_the_api_reference_builds_offline_without_a_warning(tmp_path):
         assert (tmp_path / (module.replace(".", "/") + ".html")).is_file(), module
     front = (tmp_path / "puredist.html").read_text()
     assert "outer_optimizer" in front and "Raises" in front  # the re-exported API, with its contracts
+
+
+def test_importing_puredist_leaves_dtensor_unimported_and_a_dtensor_made_later_is_one():
+    # torch.distributed.tensor (sympy with it) takes about a second to import: every worker process paid it
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, puredist\n"
+        "from puredist._dtensors import is_dtensor\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'imported'\n"
+        "assert not is_dtensor(torch.ones(1))\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "from torch.distributed.tensor import DTensor, Replicate, init_device_mesh\n"
+        "d = DTensor.from_local(torch.ones(2), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+        "assert is_dtensor(d) and not is_dtensor(torch.ones(1))\n"
+        "dist.destroy_process_group()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

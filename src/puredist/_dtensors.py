@@ -17,25 +17,34 @@ local shards.
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Callable, Sequence
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, Partial
-except ImportError:  # a torch built without distributed: no DTensor can reach us
-    DTensor = Partial = None
+_DTENSOR: type | None = None
+
+
+def dtensor_type() -> type | None:
+    """torch's ``DTensor`` class, or ``None`` while ``torch.distributed.tensor`` is not
+    imported: no DTensor can exist before its module is (importing it costs about a
+    second, so puredist does not do it for a program that has none)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return _DTENSOR
 
 
 def is_dtensor(tensor: object) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    kind = _DTENSOR or dtensor_type()
+    return kind is not None and isinstance(tensor, kind)
 
 
 def check_not_pending(tensor: torch.Tensor, arg: str, label: Callable[[], str]) -> None:
     """Raise ValueError for a DTensor with a ``Partial`` placement (a reduction still
     pending within its mesh: its shards are not values to average); ``label()`` names
     the tensor (built only when raising)."""
-    if is_dtensor(tensor) and any(isinstance(p, Partial) for p in tensor.placements):
+    if is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements):
         raise ValueError(
             f"Arg ``{arg}``: {label()} is a DTensor with placements {tensor.placements}: a Partial placement is a "
             "reduction still pending within its mesh. Redistribute it to Shard or Replicate first."
@@ -85,7 +94,7 @@ def like(reference: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     shard (no communication); else ``local`` itself."""
     if not is_dtensor(reference):
         return local
-    return DTensor.from_local(
+    return dtensor_type().from_local(
         local, reference.device_mesh, reference.placements, run_check=False, shape=reference.shape,
         stride=reference.stride(),
     )

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._C._dynamo.guards import TensorGuards
 
-from puredist._dtensors import DTensor, local_shards, sharding_signature
+from puredist._dtensors import dtensor_type, local_shards, sharding_signature
 
 _CAPACITY = 64
 """Lists of addresses kept (the least recently used dropped first): a few per model and collective."""
@@ -111,7 +111,7 @@ def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[tor
     kinds = set(map(type, tensors))
     if kinds <= PLAIN_TYPES:
         guarded, specs = tensors, None
-    elif DTensor is not None and kinds == {DTensor}:
+    elif dtensor_type() is not None and kinds == {dtensor_type()}:
         guarded, specs = local_shards(tensors), tuple(map(_SPEC, tensors))
         if not set(map(type, guarded)) <= PLAIN_TYPES:
             return None

@@ -49,7 +49,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._dtensors import DTensor
+from puredist._dtensors import dtensor_type
 from puredist._inputs import is_transformed, transforms_active, vmap_levels
 from puredist._out_of_place import adam_foreach, runs_foreach, sgd_foreach
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
@@ -388,7 +388,7 @@ def _check_fused_sgd_takes(params: Sequence[torch.Tensor], fused: bool | None) -
     _check_fused_takes(params, fused, "sgd")
     if not fused or torch.compiler.is_compiling():  # (compiled, the fused kernel does not run)
         return
-    if DTensor is not None and any(map(isinstance, params, repeat(DTensor))):
+    if dtensor_type() is not None and any(map(isinstance, params, repeat(dtensor_type()))):
         raise TypeError(
             "Arg ``fused`` of sgd: torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule); "
             "nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
