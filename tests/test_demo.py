@@ -304,12 +304,13 @@ def test_the_package_lists_its_commands_and_version():
     import puredist
 
     command = [sys.executable, "-m", "puredist"]
-    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
-    assert done.returncode == 0 and "commands:" in done.stdout and "\n  demo " in done.stdout
-    done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60, env=ENV)
-    assert done.returncode == 0 and done.stdout.strip() == puredist.__version__ == version("puredist")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=ENV)
-    assert done.returncode == 2 and "commands:" in done.stderr
-    done = subprocess.run([*command, "train"], capture_output=True, text=True, timeout=60, env=ENV)
-    assert done.returncode == 2 and "unknown command 'train'" in done.stderr
+    # the four at once (each process mostly imports torch)
+    running = [subprocess.Popen([*command, *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=ENV) for arguments in (["--help"], ["--version"], [], ["train"])]
+    (helped, _), (versioned, _), (_, bare), (_, unknown) = (process.communicate(timeout=60) for process in running)
+    codes = [process.returncode for process in running]
+    assert codes == [0, 0, 2, 2], codes
+    assert "commands:" in helped and "\n  demo " in helped
+    assert versioned.strip() == puredist.__version__ == version("puredist")
+    assert "commands:" in bare and "unknown command 'train'" in unknown
     assert (Path(puredist.__file__).parent / "py.typed").is_file()  # typed package (PEP 561)
