@@ -241,7 +241,9 @@ def _session_processes(session_id):
 
 def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends(tmp_path):
     done, runs = run_demo(tmp_path, "--world-size", "3", "--steps", "60", "--algorithms",
-                          "diloco,diloco_ft,torchft_diloco", "--kill-worker", "30", timeout=300)
+                          "diloco_ft,diloco,torchft_diloco", "--kill-worker", "30", timeout=300)
+    # in the order given, though the fault-tolerant runs run last: the first is the report's reference
+    assert list(runs) == ["diloco_ft", "diloco", "torchft_diloco"] and "(diloco_ft's final)" in done.stdout
     # the digits' period is 8: diloco_ft's synchronizations after its 16 warm-up steps (each a commit) end steps
     # 17, 25, 33...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
     for algorithm, last_commit in (("diloco_ft", 25), ("torchft_diloco", 24)):

@@ -71,6 +71,8 @@ def test_compute_time_is_the_median_of_the_steps_that_sent_nothing():
     sent = [[10, 0, 0, 0], [0]]
     assert network.compute_seconds(seconds, sent) == 0.25  # median of 0.1, 0.2, 9.0, 0.3
     assert network.compute_seconds([[1.0]], [[5]]) is None
+    # a step a killed worker never reported is not measured: left out, not a quiet step of no time
+    assert network.compute_seconds([[None, 0.2, None, 0.4]], [[0, 0, 0, 0]]) == pytest.approx(0.3)
 
 
 def test_the_projection_adds_compute_bytes_over_bandwidth_and_latencies():

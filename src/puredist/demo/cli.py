@@ -180,7 +180,8 @@ def _launch(args: argparse.Namespace) -> dict:
                                           "kill_step": args.kill_worker})
             for rank, result in trained.items():
                 results[rank][algorithm] = result
-    return results
+    # in the order given (the fault-tolerant runs ran last): the first is the report's reference
+    return {rank: {a: by_algorithm[a] for a in args.algorithms} for rank, by_algorithm in results.items()}
 
 
 DEMO_EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}

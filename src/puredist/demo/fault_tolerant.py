@@ -362,7 +362,7 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     _, test = task.load(job["seed"], 0, job["world_size"])
     results = launcher.results
     for index in range(job["world_size"]):  # a worker killed that never rejoined: nothing measured after its death
-        results.setdefault(index, {"losses": [], "bytes_sent": 0, "wall_s": 0.0, "step_seconds": [0.0] * job["steps"],
+        results.setdefault(index, {"losses": [], "bytes_sent": 0, "wall_s": 0.0, "step_seconds": [None] * job["steps"],
                                    "step_bytes": [0] * job["steps"], "state_bytes": 0, "failed_syncs": 0, "heals": 0})
     for step, by_worker in sorted(launcher.evaluations.items()):
         sent = list(by_worker.values())
@@ -376,6 +376,6 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for result in results.values():
         result["faults"] = faults
         result["losses"] = [loss for loss in result["losses"] if loss is not None]
-        result["step_seconds"] = [s or 0.0 for s in result["step_seconds"]]
+        # (a step the killed worker never reported stays unmeasured, None: no duration, out of the compute median)
         result["step_bytes"] = [b or 0 for b in result["step_bytes"]]
     return results

@@ -11,14 +11,18 @@ bandwidth ``B`` bytes/s and per-message latency ``L``:
     time(k) = k * compute + sum over the steps j <= k that sent bytes of
               (bytes_j / B + 2 (W - 1) L)
 
-(``2 (W - 1)`` message latencies: a ring all-reduce's, once per step that sent bytes,
-however many collectives it ran — a compressed synchronization runs five, a rank
-check included, so its latency is undercounted; the slowest worker's bytes at each
-step). Two questions are answered with it, per link: the time to reach a target
+(``2 (W - 1)`` message latencies: a ring all-reduce's over all ``W`` workers, once
+per step that sent bytes, however many collectives it ran — a compressed
+synchronization runs five, a rank check included, and ZeRO a broadcast per owner, so
+their latency is undercounted; a hierarchical averaging within groups of ``g`` pays
+``2 (g - 1)`` and torchft's background messages between synchronizations (a few bytes)
+none, so theirs is overcounted; the slowest worker's bytes at each step). Two questions are answered with it, per link: the time to reach a target
 loss (``k`` = the first evaluated step whose held-out loss is at most the target), and
 the lowest held-out loss each algorithm reaches within one time budget (the shortest
 projected time of a whole run, so that every algorithm's measurements cover it: no
-extrapolation past the steps that ran). Communication is not overlapped with compute in the model (DDP does overlap
+extrapolation past the steps that ran; each run is read at its last evaluation within
+the budget, so runs that end within a fraction of the budget of each other can rank by
+when they evaluated). Communication is not overlapped with compute in the model (DDP does overlap
 it with the backward, streaming DiLoCo with local steps), so the projection is an
 upper bound for those.
 
@@ -48,9 +52,11 @@ LINKS = (
 
 def compute_seconds(step_seconds: Sequence[Sequence[float]], step_bytes: Sequence[Sequence[int]]) -> float | None:
     """The median duration of the steps that sent no byte, over all runs given
-    (``step_seconds[r][k]`` and ``step_bytes[r][k]`` of run ``r``'s step ``k``); None
-    when every step sent something."""
-    quiet = [seconds for run_s, run_b in zip(step_seconds, step_bytes) for seconds, sent in zip(run_s, run_b) if sent == 0]
+    (``step_seconds[r][k]`` and ``step_bytes[r][k]`` of run ``r``'s step ``k``; a
+    duration of None: not measured, left out, e.g. the steps a killed worker never
+    reported); None when every step measured sent something."""
+    quiet = [seconds for run_s, run_b in zip(step_seconds, step_bytes)
+             for seconds, sent in zip(run_s, run_b) if sent == 0 and seconds is not None]
     return statistics.median(quiet) if quiet else None
 
 
