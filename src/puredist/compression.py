@@ -15,7 +15,8 @@ every rank adds its error-feedback residual ``e`` to its tensor (``v = x + e``) 
 it into ``W`` equal chunks; rank ``c`` owns chunk ``c``.
 
 1. Every rank sends chunk ``c`` compressed to its owner (an all-to-all); the owner
-   decodes them and takes the mean ``m_c`` in fp32 (rank order), its own chunk exact.
+   decodes them and takes the mean ``m_c`` (summed in rank order in fp64, rounded to
+   fp32 once), its own chunk exact.
 2. Every owner compresses ``m_c`` and sends it to all (an all-gather); every rank
    decodes every chunk: the same result, bit for bit, on every rank.
 
