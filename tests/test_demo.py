@@ -97,6 +97,9 @@ def test_the_projection_follows_the_network_model(tiny_run):
     compute = model["compute_s_per_step"]
     assert 0 < compute < 1.0
     assert runs["ddp"]["steps_to_target"] is not None  # DDP reaches its own final loss, at the latest at the end
+    # the hierarchical run's group size per step follows its schedule: given exactly where it sent bytes
+    hierarchical = runs["hierarchical"]
+    assert [g is not None for g in hierarchical["step_group_sizes"]] == [b > 0 for b in hierarchical["step_bytes"]]
     # the local methods' warm-up (16 steps) and their steps between synchronizations sent nothing: compute is
     # the median of those steps' durations, so several runs have steps that sent nothing at all
     assert sum(row["step_bytes"].count(0) for row in runs.values()) > 40
@@ -108,7 +111,7 @@ def test_the_projection_follows_the_network_model(tiny_run):
             if reached is None:
                 assert projected is None
                 continue
-            expected = _projected(row["step_bytes"], reached, compute, link, summary["world_size"])
+            expected = _projected(row, reached, compute, link, summary["world_size"])
             assert projected == pytest.approx(expected, rel=1e-9), (name, link)
 
 
@@ -117,13 +120,13 @@ def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_ru
     summary = json.loads((out / "results.json").read_text())
     model, runs = summary["network_model"], summary["algorithms"]
     for link in model["links"]:
-        whole_runs = {name: _projected(row["step_bytes"], 40, model["compute_s_per_step"], link, summary["world_size"])
+        whole_runs = {name: _projected(row, 40, model["compute_s_per_step"], link, summary["world_size"])
                       for name, row in runs.items()}
         budget = model["budget_s"][link["name"]]
         assert budget == pytest.approx(min(whole_runs.values()), rel=1e-9)
         for name, row in runs.items():
             in_time = [e["loss"] for e in row["evaluations"]
-                       if _projected(row["step_bytes"], e["step"], model["compute_s_per_step"], link, summary["world_size"])
+                       if _projected(row, e["step"], model["compute_s_per_step"], link, summary["world_size"])
                        <= budget * (1 + 1e-9)]
             assert row["projected_loss_within_budget"][link["name"]] == min(in_time, default=None), (name, link)
     # on the slowest link, local methods send a fraction of DDP's bytes and so get further than DDP in the same time
@@ -131,10 +134,15 @@ def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_ru
     assert runs["diloco"]["projected_loss_within_budget"][slowest] < runs["ddp"]["projected_loss_within_budget"][slowest]
 
 
-def _projected(step_bytes, steps, compute, link, world_size):
-    """The network model, written out again: compute, bytes over bandwidth, 2 (W - 1) latencies per sending step."""
-    sent = [b for b in step_bytes[:steps] if b]
-    return steps * compute + sum(sent) / link["bytes_per_second"] + len(sent) * 2 * (world_size - 1) * link["latency_s"]
+def _projected(row, steps, compute, link, world_size):
+    """The network model, written out again: compute, bytes over bandwidth, 2 (g - 1) latencies per sending step
+    over the g workers its collective spans (all but at a hierarchy's lower levels)."""
+    sizes = row["step_group_sizes"] or [world_size] * len(row["step_bytes"])
+    total = steps * compute
+    for sent, size in zip(row["step_bytes"][:steps], sizes):
+        if sent:
+            total += sent / link["bytes_per_second"] + 2 * ((size or world_size) - 1) * link["latency_s"]
+    return total
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,8 @@ def test_the_projection_adds_compute_bytes_over_bandwidth_and_latencies():
     # 3 steps of 0.5 s; step 2 sent 100 bytes (1 s at 100 B/s) and 2 (W - 1) = 4 latencies at W = 3;
     # step 4's bytes come after the 3 steps asked for
     assert network.projected_seconds([0, 100, 0, 50], 3, 0.5, link, 3) == pytest.approx(1.5 + 1.0 + 0.04)
+    # a hierarchy's pair step: its all-reduce spans 2 of the 4 workers, 2 (2 - 1) = 2 latencies; the whole group's 6
+    assert network.projected_seconds([100, 100], 2, 0.5, link, 4, [2, 4]) == pytest.approx(1.0 + 2.0 + 0.08)
     assert network.steps_to_reach([(10, 3.0), (20, 2.0), (30, 2.5)], 2.5) == 20
     assert network.steps_to_reach([(10, 3.0)], 2.5) is None
 

@@ -9,14 +9,15 @@ model, batch and inner optimizer, so they share it). Projected, for a link of
 bandwidth ``B`` bytes/s and per-message latency ``L``:
 
     time(k) = k * compute + sum over the steps j <= k that sent bytes of
-              (bytes_j / B + 2 (W - 1) L)
+              (bytes_j / B + 2 (g_j - 1) L)
 
-(``2 (W - 1)`` message latencies: a ring all-reduce's over all ``W`` workers, once
-per step that sent bytes, however many collectives it ran — a compressed
-synchronization runs five, a rank check included, and ZeRO a broadcast per owner, so
-their latency is undercounted; a hierarchical averaging within groups of ``g`` pays
-``2 (g - 1)`` and torchft's background messages between synchronizations (a few bytes)
-none, so theirs is overcounted; the slowest worker's bytes at each step). Two questions are answered with it, per link: the time to reach a target
+(``g_j``: the workers step ``j``'s collective ran over, ``W`` but at a hierarchy's
+lower levels; ``2 (g_j - 1)`` message latencies: a ring all-reduce's, once per step
+that sent bytes, however many collectives it ran — a compressed synchronization runs
+five, a rank check included, and ZeRO a broadcast per owner, so their latency is
+undercounted, while torchft's background messages between synchronizations, a few
+bytes that block nothing, are charged as a step that sent, so theirs is overcounted;
+the slowest worker's bytes at each step). Two questions are answered with it, per link: the time to reach a target
 loss (``k`` = the first evaluated step whose held-out loss is at most the target), and
 the lowest held-out loss each algorithm reaches within one time budget (the shortest
 projected time of a whole run, so that every algorithm's measurements cover it: no
@@ -66,19 +67,25 @@ def steps_to_reach(evaluations: Sequence[tuple[int, float]], target: float) -> i
     return next((step for step, loss in evaluations if loss <= target), None)
 
 
-def projected_seconds(step_bytes: Sequence[int], steps: int, compute_s: float, link: Link, world_size: int) -> float:
+def projected_seconds(step_bytes: Sequence[int], steps: int, compute_s: float, link: Link, world_size: int,
+                      group_sizes: Sequence[int | None] | None = None) -> float:
     """The model's time for the first ``steps`` steps (``step_bytes[j]``: the slowest
-    worker's bytes at step ``j + 1``) on ``link`` with ``world_size`` workers."""
-    sent = [b for b in step_bytes[:steps] if b > 0]
-    return steps * compute_s + sum(sent) / link.bytes_per_second + len(sent) * 2 * (world_size - 1) * link.latency_s
+    worker's bytes at step ``j + 1``) on ``link`` with ``world_size`` workers; a step's
+    collective runs over ``group_sizes[j]`` of them where given (a hierarchy's pair
+    steps), else over all."""
+    sizes = group_sizes or [world_size] * len(step_bytes)
+    sent = [(b, size or world_size) for b, size in zip(step_bytes[:steps], sizes) if b > 0]
+    return (steps * compute_s + sum(b for b, _ in sent) / link.bytes_per_second
+            + sum(2 * (size - 1) for _, size in sent) * link.latency_s)
 
 
 def best_loss_within(
     evaluations: Sequence[tuple[int, float]], step_bytes: Sequence[int], compute_s: float, link: Link, world_size: int,
-    budget_s: float,
+    budget_s: float, group_sizes: Sequence[int | None] | None = None,
 ) -> float | None:
     """The lowest loss of the evaluated steps ``(step, loss)`` whose projected time is
-    at most ``budget_s``; None if the first evaluation comes later."""
+    at most ``budget_s`` (``group_sizes`` as :func:`projected_seconds`'s); None if the
+    first evaluation comes later."""
     within = [loss for step, loss in evaluations
-              if projected_seconds(step_bytes, step, compute_s, link, world_size) <= budget_s]
+              if projected_seconds(step_bytes, step, compute_s, link, world_size, group_sizes) <= budget_s]
     return min(within, default=None)

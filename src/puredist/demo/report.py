@@ -50,6 +50,7 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
                 for k, (step, acc, loss, _) in enumerate(per_rank[0]["evaluations"])
             ],
             "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
+            "step_group_sizes": per_rank[0].get("step_group_sizes"),  # (None: every collective over all workers)
         }
         if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
             runs[algorithm]["faults"] = per_rank[0]["faults"]
@@ -61,7 +62,8 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
     known = compute_s is not None
     budgets = {  # the shortest whole run on each link: every run's measurements cover it
         link.name: min(
-            network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size)
+            network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size,
+                                      run["step_group_sizes"])
             for run in runs.values()
         )
         for link in network.LINKS if known
@@ -71,12 +73,14 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
         reached = network.steps_to_reach(curve, target)
         run["steps_to_target"] = reached
         run["projected_s"] = {
-            link.name: network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size)
+            link.name: network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size,
+                                                 run["step_group_sizes"])
             if known and reached is not None else None
             for link in network.LINKS
         }
         run["projected_loss_within_budget"] = {
-            link.name: network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name])
+            link.name: network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name],
+                                                run["step_group_sizes"])
             if known else None
             for link in network.LINKS
         }
@@ -173,7 +177,8 @@ def projection_table(summary: dict[str, Any]) -> str:
     header = " ".join(f"{link:>12s}" for link in links)
     return "\n".join([
         f"PROJECTED (network model, not measured): {1000 * model['compute_s_per_step']:.1f} ms compute per step "
-        f"(measured here) plus each step's measured bytes and 2(W-1) latencies over the link",
+        f"(measured here) plus each step's measured bytes and 2(g-1) latencies over the link (g: the workers its "
+        "collective spans)",
         f"time to reach held-out loss {model['target_eval_loss']:.3f} ({model['target_from']}'s final):",
         f"{'algorithm':14s} {'step':>6s} " + header,
         *_per_link(runs, links, "projected_s", _duration,

@@ -208,8 +208,20 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
                 mark = bytes_written()
             bar.update()
     wall = time.perf_counter() - started
-    return {"losses": losses, "evaluations": evaluations, "bytes_sent": sum(step_bytes), "wall_s": wall,
-            "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(optimizer_state())}
+    result = {"losses": losses, "evaluations": evaluations, "bytes_sent": sum(step_bytes), "wall_s": wall,
+              "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(optimizer_state())}
+    if algorithm == "hierarchical":  # for the network model: a pair step's all-reduce spans 2 workers, not all
+        result["step_group_sizes"] = hierarchical_group_sizes(hierarchy_for(world_size, task.period), task.warmup_steps,
+                                                              steps)
+    return result
+
+
+def hierarchical_group_sizes(hierarchy: dict[int, int], warmup_steps: int, steps: int) -> list[int | None]:
+    """For steps ``1..steps`` of a run, the group size the hierarchical averager
+    averages over at that step (its schedule at its own count, ``step - 1``), or
+    ``None`` where it does not average."""
+    level, sizes = puredist.hierarchical_schedule(tuple(hierarchy), warmup_steps), list(hierarchy.values())
+    return [None if level(k - 1) is None else sizes[level(k - 1)] for k in range(1, steps + 1)]
 
 
 def worker_main(config: dict[str, Any]) -> dict[str, Any]:
