@@ -111,7 +111,7 @@ def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[tor
     kinds = set(map(type, tensors))
     if kinds <= PLAIN_TYPES:
         guarded, specs = tensors, None
-    elif dtensor_type() is not None and kinds == {dtensor_type()}:
+    elif kinds == {dtensor_type()}:  # (None while DTensor's module is not imported: no type is None)
         guarded, specs = local_shards(tensors), tuple(map(_SPEC, tensors))
         if not set(map(type, guarded)) <= PLAIN_TYPES:
             return None

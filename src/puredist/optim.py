@@ -388,7 +388,8 @@ def _check_fused_sgd_takes(params: Sequence[torch.Tensor], fused: bool | None) -
     _check_fused_takes(params, fused, "sgd")
     if not fused or torch.compiler.is_compiling():  # (compiled, the fused kernel does not run)
         return
-    if dtensor_type() is not None and any(map(isinstance, params, repeat(dtensor_type()))):
+    dtensor = dtensor_type()
+    if dtensor is not None and any(map(isinstance, params, repeat(dtensor))):
         raise TypeError(
             "Arg ``fused`` of sgd: torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule); "
             "nothing was stepped. Use fused=None (foreach or the for-loop kernel)."

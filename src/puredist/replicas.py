@@ -217,7 +217,7 @@ class VmapCollective(ReplicaGroups):
                     "innermost torch.func.vmap (the replica axis) does not map (in_dims=None: pass it mapped, e.g. "
                     "expanded), or was used outside torch.func.vmap: there is no replica axis to average it over."
                 )
-        return [replica_mean(t, size, self.num_replicas) for t in tensors]
+        return [_ReplicaMean.apply(t, size, self.num_replicas) for t in tensors]  # (size checked: once, not per leaf)
 
     def mean_(
         self,

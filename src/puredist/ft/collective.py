@@ -69,6 +69,13 @@ class HealFailed(RuntimeError):
     heartbeats, the lighthouse holds its peers' quorums for it. Restart the replica
     group."""
 
+    def again(self) -> "HealFailed":
+        """A new error with this one's message and cause, to raise at a later call
+        (re-raising this one would grow its traceback at every call)."""
+        renewed = HealFailed(str(self))
+        renewed.__cause__ = self.__cause__
+        return renewed
+
 
 def _digests(text: str) -> tuple[int, int]:
     """Two 20-bit digests of ``text``."""
@@ -315,8 +322,8 @@ class ManagerCollective:
         its reduction); return this replica's role in it. Where the quorum heals it:
         with ``restart_on_heal`` raise :class:`Healed` at once, else take part as
         :data:`_HEALED`."""
-        if self._heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
-            raise HealFailed(str(self._heal_failure)) from self._heal_failure.__cause__
+        if self._heal_failure is not None:
+            raise self._heal_failure.again()
         if self._open_role is not None:
             role, self._open_role = self._open_role, None
             return role

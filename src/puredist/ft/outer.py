@@ -125,8 +125,8 @@ class FaultTolerantOuter:
                 manager heals anew. Its peers fail the one synchronization that
                 waited for it and go on without it.
         """
-        if self.heal_failure is not None:  # a new error each time: re-raising one would grow its traceback
-            raise HealFailed(str(self.heal_failure)) from self.heal_failure.__cause__
+        if self.heal_failure is not None:
+            raise self.heal_failure.again()
         stale, healed_to = self._resume
         self._resume = (None, None)
         if state is stale:  # the last update_ healed, then raised: its caller still holds the state from before
