@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
 from puredist._layout import layout_of, views_like
-from puredist.optim import _any_none
+from puredist._seq import any_none
 from puredist.outer.config import OuterConfig
 
 
@@ -76,7 +76,7 @@ def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list
 def flat_base(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The one-dimensional buffer ``tensors`` are views of, end to end and in order,
     covering all of it; ``None`` when they are not (or not all tensors)."""
-    if not tensors or _any_none(tensors):
+    if not tensors or any_none(tensors):
         return None
     base = tensors[0]._base
     if base is None or base.dim() != 1 or not base.is_contiguous():
@@ -184,7 +184,7 @@ def relaid(template: Sequence[torch.Tensor], loaded: Sequence[torch.Tensor]) -> 
     """``loaded`` (one tensor per leaf, e.g. from a checkpoint) laid out as
     ``template`` is: in a new buffer of its own, viewed per leaf, where the
     template's tensors are views of one buffer (see :func:`flat_base`); else as they are."""
-    base = None if _any_none(template) or _any_none(loaded) else flat_base(template)
+    base = None if any_none(template) or any_none(loaded) else flat_base(template)
     if base is None:
         return list(loaded)
     views = views_like(torch.empty_like(base), template)
