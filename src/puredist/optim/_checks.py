@@ -13,7 +13,7 @@ import torch
 from puredist._dtensors import dtensor_type
 from puredist._seq import any_complex
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
-from puredist.optim.base import _BUFFER
+from puredist.optim.base import declaration
 
 
 def check_nonnegative(name: str, value: float) -> None:
@@ -98,9 +98,10 @@ def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -
     kinds = set(map(type, states))
     if len(kinds) != 1:
         return
-    field = _BUFFER.get(kinds.pop())
-    if field is None:  # SGD without momentum: nothing shaped like the parameters
+    declared = declaration(kinds.pop())
+    if declared is None or not declared.shaped:  # e.g. SGD without momentum: nothing shaped like the parameters
         return
+    field = declared.shaped[0]  # (one field tells a state made for other parameters)
     buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
     if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
         return

@@ -7,14 +7,14 @@ This module must not know any algorithm.
 """
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist.optim._checks import check_grads, check_shapes
+from puredist.optim._checks import check_grads, check_nonnegative, check_shapes
 from puredist.optim._kernels import step_recorded
-from puredist.optim.base import _PARAM_STATE_TYPES, _PARAM_STATES, Optimizer, clone_states, copies
-from puredist.optim.schedules import Step
+from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
+from puredist.optim.schedules import Hyper, Step, with_schedules
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
 
@@ -23,8 +23,8 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
     params tree (as ``init`` returns it) or, as ZeRO and the outer optimizer pass
     their sub-lists, a flat sequence of per-parameter states (told apart by type, with
     no exception on the way: this runs at every step)."""
-    flat = isinstance(state, (tuple, list)) and not isinstance(state, _PARAM_STATES)
-    if flat and set(map(type, state)) <= _PARAM_STATE_TYPES:
+    flat = isinstance(state, (tuple, list)) and not is_param_state(state)
+    if flat and all(map(declaration, set(map(type, state)))):
         states = list(state)
     else:
         try:
@@ -34,7 +34,7 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
                 f"Arg ``state`` must be shaped like ``params`` ({count} parameters, structure {spec}), as init "
                 f"returns it; got a {type(state).__name__} that is not."
             ) from error
-    if len(states) != count or not set(map(type, states)) <= _PARAM_STATE_TYPES:
+    if len(states) != count or not all(map(declaration, set(map(type, states)))):
         if states and all(isinstance(s, torch.Tensor) for s in states):
             raise ValueError(
                 "Arg ``state`` holds tensors where per-parameter states belong: were the arguments given in optax's "
@@ -52,20 +52,58 @@ tensors, the inputs untouched, or ``None`` where it does not apply (then the pur
 
 
 def make_optimizer(
-    init_leaf: Callable, scheduled: tuple[Step, Callable], differentiable: bool, config: str,
-    pure_step: PureStep | None = None, writes_grads: bool = False, takes_sparse: bool = True,
+    state_type: type, init_leaf: Callable[[torch.Tensor], NamedTuple], run: Callable[..., list[NamedTuple]], *,
+    hypers: dict[str, Hyper] | None = None, kind: str = "", config: str | None = None,
+    validate: Callable[[str, Any], None] = check_nonnegative, differentiable: bool = False,
+    check: Callable[[list, bool], None] | None = None, pure_step: PureStep | None = None, writes_grads: bool = False,
+    takes_sparse: bool = True,
 ) -> Optimizer:
-    """The optimizer of an algorithm: ``init_leaf(param) -> state``; ``scheduled``:
-    ``(step, check_states)`` from :func:`~puredist.optim.schedules.with_schedules`;
-    ``config``: its :attr:`~puredist.optim.base.Optimizer.config`; ``pure_step``: its
-    out-of-place step, where it has one. ``writes_grads``: torch's multi-tensor
-    kernel may write into the gradients (SGD with Nesterov momentum adds the momentum
-    into them): the pure update steps copies. ``takes_sparse``: whether sparse
-    gradients are stepped (else refused)."""
-    step, check_states = scheduled
+    """The :class:`~puredist.optim.base.Optimizer` of an algorithm, ``init``,
+    ``update``, ``update_`` and ``check`` made from its parts: what SGD and Adam are
+    built with, and the way to add an optimizer.
+
+    Args:
+        state_type: the per-parameter state ``init_leaf`` makes, declared with
+            :func:`~puredist.optim.base.param_state` (its declaration gives the
+            optimizer's ``elementwise`` and what ZeRO, DiLoCo, ``vmap`` and the checks
+            read of its fields).
+        init_leaf: ``init_leaf(param) -> state`` of one parameter.
+        run: ``run(params, grads, states, traced, **values) -> states`` steps the
+            parameters (lists, each with a gradient) and their states' tensors in
+            place, with ``values`` the hyper-parameters' values (a schedule's at the
+            states' count); ``traced``: the step is recorded (autograd, ``torch.func``).
+        hypers: the hyper-parameters, numbers or schedules of the count (the state
+            then declares a :data:`~puredist.optim.base.Count` named ``step``), each
+            value passed to ``validate(name, value)`` (default: non-negative) before
+            anything is stepped.
+        kind: its name; ``config``: its :attr:`~puredist.optim.base.Optimizer.config`
+            (default: ``kind(hyper=value, ...)``).
+        differentiable: ``update`` records its step for autograd.
+        check, pure_step, writes_grads, takes_sparse: for torch's kernels:
+            ``check(params, traced)`` raises before anything is stepped;
+            ``pure_step(params, grads, states)`` is an out-of-place step (or ``None``
+            where it does not apply); ``writes_grads``: the kernel may write into the
+            gradients (the pure update steps copies); ``takes_sparse``: sparse
+            gradients are stepped (else refused).
+
+    Raises:
+        TypeError: ``state_type`` was not declared with ``param_state``.
+    """
+    declared = declaration(state_type)
+    if declared is None:
+        raise TypeError(
+            f"Arg ``state_type`` ({state_type!r}) must be declared with @puredist.optim.param_state(elementwise=...)."
+        )
+    hypers = dict(hypers or {})
+    config = config_text(kind, **hypers) if config is None else config
+    step, check_states = with_schedules(hypers, run, check or _nothing_to_check, validate)
     built = _Built(init_leaf, step, check_states, differentiable, config.split("(")[0] or "this optimizer",
                    pure_step, writes_grads, takes_sparse)
-    return Optimizer(built.init, built.update, built.update_, config, built.check, elementwise=True)  # SGD, Adam, AdamW
+    return Optimizer(built.init, built.update, built.update_, config, built.check, elementwise=declared.elementwise)
+
+
+def _nothing_to_check(params: list, traced: bool) -> None:
+    """An algorithm's ``check`` where torch's kernels refuse nothing more."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
 from puredist.optim.base import AMSGradParamState, AdamParamState, Optimizer, config_text
-from puredist.optim.schedules import with_schedules
 
 
 def _adam_family(
@@ -78,14 +77,16 @@ def _adam_family(
             return new_params, rows_of(AMSGradParamState, steps, exp_avgs, exp_avg_sqs, maxima)
         return new_params, rows_of(AdamParamState, steps, exp_avgs, exp_avg_sqs)
 
-    check = lambda params, traced: check_fused_takes(params, fused and not traced, "adam/adamw")  # noqa: E731
-    hypers = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
     config = config_text("adamw" if decoupled else "adam", lr=lr, betas=betas if callable(betas) else tuple(betas),
                          eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                          fused=fused)
-    return make_optimizer(init_leaf, with_schedules(hypers, run, check, validate), differentiable, config, pure_step,
-                          takes_sparse=False)
-
+    return make_optimizer(
+        AMSGradParamState if amsgrad else AdamParamState, init_leaf, run,
+        hypers={"lr": lr, "weight_decay": weight_decay, "betas": betas}, config=config, validate=validate,
+        differentiable=differentiable, check=lambda params, traced: check_fused_takes(params, fused and not traced,
+                                                                                         "adam/adamw"),
+        pure_step=pure_step, takes_sparse=False,
+    )
 
 def adam(
     lr: float = 1e-3,

@@ -16,21 +16,127 @@ where ``params`` has a tensor leaves that parameter and its state unchanged, as
 stepped with the matching sub-list of states (a flat sequence of per-parameter states
 is taken for any tree): that is how ZeRO steps only the parameters a rank owns.
 
+Each per-parameter state type declares its fields once, where it is defined
+(:func:`param_state`): a field :data:`Shaped` like its parameter or a :data:`Count`
+of steps, and whether the optimizer keeping it steps elementwise or per tensor (a
+norm, as LARS or LAMB). That declaration is the one source that ZeRO, the flat
+DiLoCo path (:mod:`puredist.outer.flat`), :func:`state_axes` (``vmap``), the state
+checks and the checkpoints read.
+
 This module must not communicate, nor step anything: it defines what an optimizer
 is and what its state holds.
 """
 
+import enum
 import operator
+import typing
 from itertools import repeat
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Annotated, Any, Callable, NamedTuple, Sequence
 
 import torch
+import torch.utils._pytree as torch_pytree
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
 from puredist.tree import PyTree
 
 
+class FieldKind(enum.Enum):
+    """What one field of a per-parameter state holds (see :func:`param_state`)."""
+
+    SHAPED = "shaped like its parameter"
+    """A tensor shaped like its parameter (a momentum, a moment): checked against the
+    parameter's shape, laid end to end with the others of a flat DiLoCo fragment,
+    mapped with the parameter under ``vmap``."""
+    COUNT = "a step count"
+    """A 0-dim tensor counting the updates taken: the same on every replica (left
+    unmapped by :func:`state_axes`), never laid flat, required by a checkpoint that
+    needs it."""
+
+
+Shaped = Annotated[torch.Tensor, FieldKind.SHAPED]
+"""The annotation of a state field shaped like its parameter."""
+Count = Annotated[torch.Tensor, FieldKind.COUNT]
+"""The annotation of a state field counting the steps taken."""
+
+
+class StateDeclaration(NamedTuple):
+    """What :func:`param_state` declared of a per-parameter state type.
+
+    Attributes:
+        elementwise: each element's step depends on that element's parameter,
+            gradient and state only (no norm, no per-tensor statistic): a step of
+            parameters laid end to end in one buffer equals the step of each.
+        shaped: the fields shaped like the parameter, in field order.
+        counts: the fields counting steps, in field order.
+    """
+
+    elementwise: bool
+    shaped: tuple[str, ...]
+    counts: tuple[str, ...]
+
+
+def param_state(*, elementwise: bool) -> Callable[[type], type]:
+    """Declare a NamedTuple class a per-parameter optimizer state: every field
+    annotated :data:`Shaped` or :data:`Count` (``Annotated[T, FieldKind...]``, ``T``
+    possibly ``torch.Tensor | None``), and whether the optimizer that keeps it steps
+    ``elementwise``. This one declaration is what ZeRO, the flat DiLoCo path
+    (:mod:`puredist.outer.flat`), :func:`state_axes`, the state checks and the
+    checkpoints read. A state holds tensors only, no ``None`` field (a configuration
+    that keeps no buffer or count has a state type without that field), so that plain
+    ``torch.func.vmap`` maps it (as optax's states).
+
+    Raises:
+        TypeError: a field without one :class:`FieldKind`, or not a NamedTuple class.
+    """
+    def declare(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+            raise TypeError(f"param_state declares NamedTuple classes, got {cls!r}.")
+        hints = typing.get_type_hints(cls, include_extras=True)
+        kinds = {}
+        for name in cls._fields:
+            marks = [m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, FieldKind)]
+            if len(marks) != 1:
+                raise TypeError(
+                    f"Field ``{name}`` of {cls.__name__} must be annotated Shaped or Count (puredist.optim), got "
+                    f"{hints.get(name)!r}."
+                )
+            kinds[name] = marks[0]
+        cls.__param_state__ = StateDeclaration(
+            bool(elementwise), tuple(n for n, k in kinds.items() if k is FieldKind.SHAPED),
+            tuple(n for n, k in kinds.items() if k is FieldKind.COUNT),
+        )
+        return cls
+
+    return declare
+
+
+def declaration(kind: type) -> StateDeclaration | None:
+    """What ``kind`` was declared with (:func:`param_state`); ``None`` for a type
+    never declared (a state of an optimizer built by hand: nothing is assumed of it)."""
+    return getattr(kind, "__param_state__", None)
+
+
+def is_param_state(value: object) -> bool:
+    """Whether ``value`` is a declared per-parameter state."""
+    return hasattr(type(value), "__param_state__")
+
+
+def state_axes(state: PyTree, axis: int = 0) -> PyTree:
+    """``in_dims``/``out_dims`` for ``torch.func.vmap`` over replicas stacked along
+    ``axis``: ``axis`` for each tensor of ``state`` (per-parameter states, in any
+    tree), ``None`` for each declared count (every replica has taken the same steps,
+    which a schedule reads on the host) and for everything that is not a tensor."""
+    def axes_of(leaf):
+        if not is_param_state(leaf):
+            return axis if isinstance(leaf, torch.Tensor) else None
+        counts = declaration(type(leaf)).counts
+        return type(leaf)(*(None if name in counts or not isinstance(value, torch.Tensor) else axis
+                            for name, value in zip(leaf._fields, leaf)))
+    return torch_pytree.tree_map(axes_of, state, is_leaf=is_param_state)
+
+
+@param_state(elementwise=True)
 @fields_documented
 class SGDParamState(NamedTuple):
     """SGD state of one parameter, with momentum (torch's layout).
@@ -41,9 +147,10 @@ class SGDParamState(NamedTuple):
             taken as input (a state from before torch's first step) and never returned.
     """
 
-    momentum_buffer: torch.Tensor | None
+    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
 
 
+@param_state(elementwise=True)
 @fields_documented
 class SGDCountedParamState(NamedTuple):
     """SGD state of one parameter, with momentum and a step count: with a schedule or
@@ -55,10 +162,11 @@ class SGDCountedParamState(NamedTuple):
         step: the updates taken, a 0-dim float32 CPU tensor (as Adam's).
     """
 
-    momentum_buffer: torch.Tensor | None
-    step: torch.Tensor
+    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
+    step: Count
 
 
+@param_state(elementwise=True)
 @fields_documented
 class SGDCountParamState(NamedTuple):
     """SGD state of one parameter without momentum, with a schedule.
@@ -67,14 +175,16 @@ class SGDCountParamState(NamedTuple):
         step: the updates taken, a 0-dim float32 CPU tensor.
     """
 
-    step: torch.Tensor
+    step: Count
 
 
+@param_state(elementwise=True)
 class SGDNoParamState(NamedTuple):
     """SGD state of one parameter without momentum or schedule: nothing (as optax's
     ``EmptyState``)."""
 
 
+@param_state(elementwise=True)
 @fields_documented
 class AdamParamState(NamedTuple):
     """Adam/AdamW state of one parameter (torch's layout).
@@ -85,11 +195,12 @@ class AdamParamState(NamedTuple):
         exp_avg_sq: second-moment running average.
     """
 
-    step: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    step: Count
+    exp_avg: Shaped
+    exp_avg_sq: Shaped
 
 
+@param_state(elementwise=True)
 @fields_documented
 class AMSGradParamState(NamedTuple):
     """Adam/AdamW state of one parameter with amsgrad (torch's layout).
@@ -99,22 +210,10 @@ class AMSGradParamState(NamedTuple):
         max_exp_avg_sq: the running max of ``exp_avg_sq``.
     """
 
-    step: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    max_exp_avg_sq: torch.Tensor
-
-
-_PARAM_STATES = (SGDParamState, SGDCountedParamState, SGDCountParamState, SGDNoParamState, AdamParamState,
-                 AMSGradParamState)
-"""Every per-parameter state holds tensors only, no ``None`` field (a configuration
-that keeps no buffer or count has a state without that field), so that plain
-``torch.func.vmap`` maps them (as optax's states)."""
-_PARAM_STATE_TYPES = set(_PARAM_STATES)
-
-
-_BUFFER = {SGDParamState: "momentum_buffer", SGDCountedParamState: "momentum_buffer", AdamParamState: "exp_avg",
-           AMSGradParamState: "exp_avg"}
+    step: Count
+    exp_avg: Shaped
+    exp_avg_sq: Shaped
+    max_exp_avg_sq: Shaped
 
 
 @fields_documented
@@ -140,8 +239,9 @@ class Optimizer(NamedTuple):
             gradient and state only (no norm, no per-tensor statistic), so that a step
             of tensors laid end to end in one buffer equals the step of each: what
             lets DiLoCo step a fragment's global copy as one tensor
-            (:mod:`puredist.outer.flat`). ``False`` for one built by hand unless it
-            says so.
+            (:mod:`puredist.outer.flat`). :func:`~puredist.optim.make_optimizer` takes
+            it from the state type's declaration; ``False`` for one built by hand
+            unless it says so.
     """
 
     init: Callable[[PyTree], PyTree]

@@ -28,8 +28,7 @@ def read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
-            "``step``), e.g. for a list of parameters axes = [a._replace(step=None) for a in "
-            "puredist.tree.vmap_axes(state)], "
+            "``step``), e.g. axes = puredist.optim.state_axes(state), "
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
     counts = [s.step for s in states]

@@ -19,14 +19,19 @@ from puredist.optim._out_of_place import sgd_foreach
 from puredist.optim.base import (
     Optimizer, SGDCountParamState, SGDCountedParamState, SGDNoParamState, SGDParamState, config_text,
 )
-from puredist.optim.schedules import Hyper, read_counts, with_schedules
+from puredist.optim.schedules import Hyper, read_counts
+
+
+def _sgd_state_type(has_buffer: bool, counted: bool) -> type:
+    """The SGD state type holding what it has (no ``None`` field)."""
+    if has_buffer:
+        return SGDCountedParamState if counted else SGDParamState
+    return SGDCountParamState if counted else SGDNoParamState
 
 
 def _sgd_state(buffer: torch.Tensor | None, count: torch.Tensor | None) -> NamedTuple:
     """The SGD state of one parameter holding what it has (no ``None`` field)."""
-    if buffer is not None:
-        return SGDParamState(buffer) if count is None else SGDCountedParamState(buffer, count)
-    return SGDNoParamState() if count is None else SGDCountParamState(count)
+    return _sgd_state_type(buffer is not None, count is not None)(*(t for t in (buffer, count) if t is not None))
 
 
 def sgd(
@@ -68,12 +73,14 @@ def sgd(
             "gradient undamped, which a rate that starts later cannot follow; schedule momentum without dampening."
         )
     options = _SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, fused)
-    check = lambda params, traced: check_fused_sgd_takes(params, fused and not traced)  # noqa: E731
-    hypers = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum}
     config = config_text("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
-    return make_optimizer(options.init_leaf, with_schedules(hypers, options.run, check, check_nonnegative),
-                          differentiable, config, options.pure_step, writes_grads=nesterov)
+    return make_optimizer(
+        _sgd_state_type(options.has_momentum, options.counted), options.init_leaf, options.run,
+        hypers={"lr": lr, "weight_decay": weight_decay, "momentum": momentum}, config=config,
+        differentiable=differentiable, check=lambda params, traced: check_fused_sgd_takes(params, fused and not traced),
+        pure_step=options.pure_step, writes_grads=nesterov,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,14 @@ class _SGD:
     def has_momentum(self) -> bool:
         return callable(self.momentum) or self.momentum > 0
 
+    @property
+    def counted(self) -> bool:
+        """Whether the state counts steps: for a schedule, or dampened momentum's first step."""
+        return bool(callable(self.lr) or callable(self.weight_decay) or callable(self.momentum) or (
+            self.momentum and self.dampening))
+
     def init_leaf(self, p: torch.Tensor) -> NamedTuple:
-        counted = callable(self.lr) or callable(self.weight_decay) or callable(self.momentum) or (
-            self.momentum and self.dampening)
-        count = torch.zeros((), dtype=torch.float32) if counted else None
+        count = torch.zeros((), dtype=torch.float32) if self.counted else None
         # a zero buffer steps exactly as torch's first step (buf = grad): -0.0 * momentum + grad is grad,
         # signed zeros included (-0.0 is the additive identity; +0.0 would turn a -0.0 gradient into +0.0);
         # with dampening the first step starts from the gradient instead (see run)
