@@ -26,15 +26,16 @@ defaults as the ``torch.optim`` classes, so a run matches ``torch.optim.SGD`` /
 
 The modules, one concern each:
 
-- :mod:`~puredist.optim.base`: the :class:`Optimizer` protocol and the per-parameter
-  state types, each field declared once (:func:`param_state`: :data:`Shaped` like its
-  parameter or a :data:`Count`; the optimizer elementwise or per-tensor), which ZeRO,
-  the flat DiLoCo path, :func:`state_axes` (``vmap``), the checks and checkpoints read;
-  :func:`copies` and :func:`clone_states`;
+- :mod:`~puredist.optim.base`: the :class:`Optimizer` protocol and how a
+  per-parameter state type declares each of its fields once (:func:`param_state`:
+  :data:`Shaped` like its parameter or a :data:`Count`; the optimizer elementwise or
+  per tensor), which ZeRO, the flat DiLoCo path, :func:`state_axes` (``vmap``), the
+  checks and checkpoints read; :func:`copies` and :func:`clone_states`;
 - ``_factory``: :func:`make_optimizer`, an optimizer from a declared state type, a
   per-parameter ``init_leaf`` and an in-place ``run`` (how SGD and Adam are built, and
   how to add one);
-- :mod:`~puredist.optim.sgd`, :mod:`~puredist.optim.adam`: one algorithm a file;
+- :mod:`~puredist.optim.sgd`, :mod:`~puredist.optim.adam`: one algorithm a file, its
+  state types declared there;
 - :mod:`~puredist.optim.schedules`: hyper-parameters that are schedules of the count;
 - ``_kernels`` (and ``_out_of_place``): which torch kernel runs,
   its workarounds and probes; ``_checks``: the checks, before anything is stepped.
@@ -44,14 +45,12 @@ this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.out
 """
 
 from puredist.optim._factory import make_optimizer
-from puredist.optim.adam import adam, adamw
+from puredist.optim.adam import AMSGradParamState, AdamParamState, adam, adamw
 from puredist.optim.base import (
-    AMSGradParamState, AdamParamState, Count, FieldKind, Optimizer, SGDCountParamState, SGDCountedParamState,
-    SGDNoParamState, SGDParamState, Shaped, StateDeclaration, clone_states, copies, declaration, param_state,
-    state_axes,
+    Count, FieldKind, Optimizer, Shaped, StateDeclaration, clone_states, copies, declaration, param_state, state_axes,
 )
 from puredist.optim.schedules import Hyper
-from puredist.optim.sgd import sgd
+from puredist.optim.sgd import SGDCountParamState, SGDCountedParamState, SGDNoParamState, SGDParamState, sgd
 
 __all__ = [
     "AMSGradParamState", "AdamParamState", "Count", "FieldKind", "Hyper", "Optimizer", "SGDCountParamState",

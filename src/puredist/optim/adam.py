@@ -4,18 +4,51 @@ torch's own kernels).
 This module must not communicate.
 """
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
 from torch.optim.optimizer import _get_scalar_dtype
 
+from puredist._docs import fields_documented
 from puredist._seq import any_complex, rows_of
 from puredist.optim._checks import check_betas, check_fused_takes, check_kernel_choice, check_nonnegative
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
-from puredist.optim.base import AMSGradParamState, AdamParamState, Optimizer, config_text
+from puredist.optim.base import Count, Optimizer, Shaped, config_text, param_state
+
+
+@param_state(elementwise=True)
+@fields_documented
+class AdamParamState(NamedTuple):
+    """Adam/AdamW state of one parameter (torch's layout).
+
+    Attributes:
+        step: the number of steps taken, a 0-dim float32 CPU tensor.
+        exp_avg: first-moment running average.
+        exp_avg_sq: second-moment running average.
+    """
+
+    step: Count
+    exp_avg: Shaped
+    exp_avg_sq: Shaped
+
+
+@param_state(elementwise=True)
+@fields_documented
+class AMSGradParamState(NamedTuple):
+    """Adam/AdamW state of one parameter with amsgrad (torch's layout).
+
+    Attributes:
+        step, exp_avg, exp_avg_sq: as :class:`AdamParamState`'s.
+        max_exp_avg_sq: the running max of ``exp_avg_sq``.
+    """
+
+    step: Count
+    exp_avg: Shaped
+    exp_avg_sq: Shaped
+    max_exp_avg_sq: Shaped
 
 
 def _adam_family(

@@ -1,4 +1,5 @@
-"""The optimizer protocol, the per-parameter state types, and state utilities.
+"""The optimizer protocol, the declaration of per-parameter state types, and state
+utilities.
 
 An :class:`Optimizer` is a NamedTuple of pure functions:
 
@@ -60,6 +61,7 @@ Count = Annotated[torch.Tensor, FieldKind.COUNT]
 """The annotation of a state field counting the steps taken."""
 
 
+@fields_documented
 class StateDeclaration(NamedTuple):
     """What :func:`param_state` declared of a per-parameter state type.
 
@@ -134,86 +136,6 @@ def state_axes(state: PyTree, axis: int = 0) -> PyTree:
         return type(leaf)(*(None if name in counts or not isinstance(value, torch.Tensor) else axis
                             for name, value in zip(leaf._fields, leaf)))
     return torch_pytree.tree_map(axes_of, state, is_leaf=is_param_state)
-
-
-@param_state(elementwise=True)
-@fields_documented
-class SGDParamState(NamedTuple):
-    """SGD state of one parameter, with momentum (torch's layout).
-
-    Attributes:
-        momentum_buffer: the momentum buffer: zeros (``-0.0``) from ``init`` (the first
-            step then makes it the gradient, as torch's first step does). ``None`` is
-            taken as input (a state from before torch's first step) and never returned.
-    """
-
-    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
-
-
-@param_state(elementwise=True)
-@fields_documented
-class SGDCountedParamState(NamedTuple):
-    """SGD state of one parameter, with momentum and a step count: with a schedule or
-    dampened momentum (the count tells the first step, which takes the gradient
-    undamped).
-
-    Attributes:
-        momentum_buffer: as :class:`SGDParamState`'s.
-        step: the updates taken, a 0-dim float32 CPU tensor (as Adam's).
-    """
-
-    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
-    step: Count
-
-
-@param_state(elementwise=True)
-@fields_documented
-class SGDCountParamState(NamedTuple):
-    """SGD state of one parameter without momentum, with a schedule.
-
-    Attributes:
-        step: the updates taken, a 0-dim float32 CPU tensor.
-    """
-
-    step: Count
-
-
-@param_state(elementwise=True)
-class SGDNoParamState(NamedTuple):
-    """SGD state of one parameter without momentum or schedule: nothing (as optax's
-    ``EmptyState``)."""
-
-
-@param_state(elementwise=True)
-@fields_documented
-class AdamParamState(NamedTuple):
-    """Adam/AdamW state of one parameter (torch's layout).
-
-    Attributes:
-        step: the number of steps taken, a 0-dim float32 CPU tensor.
-        exp_avg: first-moment running average.
-        exp_avg_sq: second-moment running average.
-    """
-
-    step: Count
-    exp_avg: Shaped
-    exp_avg_sq: Shaped
-
-
-@param_state(elementwise=True)
-@fields_documented
-class AMSGradParamState(NamedTuple):
-    """Adam/AdamW state of one parameter with amsgrad (torch's layout).
-
-    Attributes:
-        step, exp_avg, exp_avg_sq: as :class:`AdamParamState`'s.
-        max_exp_avg_sq: the running max of ``exp_avg_sq``.
-    """
-
-    step: Count
-    exp_avg: Shaped
-    exp_avg_sq: Shaped
-    max_exp_avg_sq: Shaped
 
 
 @fields_documented

@@ -6,20 +6,67 @@ This module must not communicate.
 import dataclasses
 import operator
 from itertools import repeat
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import torch
 from torch.optim.sgd import sgd as _sgd_kernel
 
+from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
 from puredist.optim._checks import check_counted, check_fused_sgd_takes, check_kernel_choice, check_nonnegative
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, sgd_foreach_choice, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
-from puredist.optim.base import (
-    Optimizer, SGDCountParamState, SGDCountedParamState, SGDNoParamState, SGDParamState, config_text,
-)
+from puredist.optim.base import Count, FieldKind, Optimizer, config_text, param_state
 from puredist.optim.schedules import Hyper, read_counts
+
+
+@param_state(elementwise=True)
+@fields_documented
+class SGDParamState(NamedTuple):
+    """SGD state of one parameter, with momentum (torch's layout).
+
+    Attributes:
+        momentum_buffer: the momentum buffer: zeros (``-0.0``) from ``init`` (the first
+            step then makes it the gradient, as torch's first step does). ``None`` is
+            taken as input (a state from before torch's first step) and never returned.
+    """
+
+    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
+
+
+@param_state(elementwise=True)
+@fields_documented
+class SGDCountedParamState(NamedTuple):
+    """SGD state of one parameter, with momentum and a step count: with a schedule or
+    dampened momentum (the count tells the first step, which takes the gradient
+    undamped).
+
+    Attributes:
+        momentum_buffer: as :class:`SGDParamState`'s.
+        step: the updates taken, a 0-dim float32 CPU tensor (as Adam's).
+    """
+
+    momentum_buffer: Annotated[torch.Tensor | None, FieldKind.SHAPED]
+    step: Count
+
+
+@param_state(elementwise=True)
+@fields_documented
+class SGDCountParamState(NamedTuple):
+    """SGD state of one parameter without momentum, with a schedule.
+
+    Attributes:
+        step: the updates taken, a 0-dim float32 CPU tensor.
+    """
+
+    step: Count
+
+
+@param_state(elementwise=True)
+class SGDNoParamState(NamedTuple):
+    """SGD state of one parameter without momentum or schedule: nothing (as optax's
+    ``EmptyState``)."""
 
 
 def _sgd_state_type(has_buffer: bool, counted: bool) -> type:
