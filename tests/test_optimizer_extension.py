@@ -27,11 +27,11 @@ class LarsState(NamedTuple):
 
     Attributes:
         momentum: the momentum of the trust-scaled gradient.
-        step: the updates taken (the learning rate is a schedule of it).
+        updates: the updates taken (the learning rate is a schedule of it).
     """
 
     momentum: Shaped
-    step: Count
+    updates: Count  # any name: the schedule, vmap's axes and the checkpoint read the declaration
 
 
 def trust_scaled(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -43,15 +43,15 @@ def trust_scaled(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 def lars(state_type=LarsState) -> puredist.Optimizer:
     def init_leaf(param):
-        fields = {"momentum": torch.zeros_like(param), "step": torch.zeros((), dtype=torch.float32)}
+        fields = {"momentum": torch.zeros_like(param), "updates": torch.zeros((), dtype=torch.float32)}
         return state_type(**{name: fields[name] for name in state_type._fields})
 
     def run(params, grads, states, traced, lr):
         for param, grad, state in zip(params, grads, states):
             state.momentum.mul_(MU).add_(trust_scaled(param, grad))
             param.sub_(state.momentum * lr)
-            if "step" in state._fields:
-                state.step.add_(1)
+            if "updates" in state._fields:
+                state.updates.add_(1)
         return list(states)
 
     return make_optimizer(state_type, init_leaf, run, hypers={"lr": lr_at if state_type is LarsState else 0.1},
@@ -85,7 +85,7 @@ def test_the_declaration_says_per_tensor_and_the_steps_follow_the_per_tensor_loo
         for ours, pure, theirs in zip(params, new_params, expected):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(pure, ours, rtol=0, atol=0)
-    assert [s.step.item() for s in state] == [3.0] * 3
+    assert [s.updates.item() for s in state] == [3.0] * 3
 
 
 def test_under_zero_each_owner_steps_its_whole_tensors_as_the_loop_does():
@@ -110,7 +110,7 @@ def test_vmap_over_stacked_replicas_steps_each_replica_as_the_loop_does():
     one = optimizer.init([p[0] for p in params])
     state = [s._replace(momentum=torch.stack([s.momentum] * replicas)) for s in one]  # one count for every replica
     axes = state_axes(state)
-    assert [a.step for a in axes] == [None] * 3 and [a.momentum for a in axes] == [0] * 3
+    assert [a.updates for a in axes] == [None] * 3 and [a.momentum for a in axes] == [0] * 3
     mapped = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))
     expected = [[p[r].clone() for p in params] for r in range(replicas)]
     moments = [[torch.zeros_like(p[0]) for p in params] for _ in range(replicas)]

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import dtensor_type
-from puredist._seq import any_complex
+from puredist._seq import any_complex, any_none
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
@@ -38,14 +38,26 @@ def check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
         raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 
 
-def check_counted(states: Sequence[NamedTuple], why: str) -> None:
-    """Raise ``TypeError`` unless every state counts its steps (``why`` needs them)."""
-    uncounted = [k for k, s in enumerate(states) if getattr(s, "step", None) is None]
-    if uncounted:
+def counts_of(states: Sequence[NamedTuple], why: str) -> list[torch.Tensor]:
+    """Each state's step count: its field declared :data:`~puredist.optim.base.Count`
+    (the first, where several are).
+
+    Raises:
+        TypeError: a state counts no steps (``why`` needs them).
+    """
+    fields = {kind: _count_field(kind) for kind in set(map(type, states))}
+    counts = [getattr(s, fields[type(s)]) if fields[type(s)] else None for s in states]
+    if any_none(counts):
         raise TypeError(
-            f"Arg ``state``: parameter {uncounted[0]}'s state counts no steps (made by an optimizer that keeps no "
-            f"count, e.g. loaded from its checkpoint); {why}: init a new state."
+            f"Arg ``state``: parameter {counts.index(None)}'s state counts no steps (made by an optimizer that keeps "
+            f"no count, e.g. loaded from its checkpoint); {why}: init a new state."
         )
+    return counts
+
+
+def _count_field(kind: type) -> str | None:
+    declared = declaration(kind)
+    return declared.counts[0] if declared is not None and declared.counts else None
 
 
 def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:

@@ -73,7 +73,7 @@ def make_optimizer(
             place, with ``values`` the hyper-parameters' values (a schedule's at the
             states' count); ``traced``: the step is recorded (autograd, ``torch.func``).
         hypers: the hyper-parameters, numbers or schedules of the count (the state
-            then declares a :data:`~puredist.optim.base.Count` named ``step``), each
+            then declares a :data:`~puredist.optim.base.Count`), each
             value passed to ``validate(name, value)`` (default: non-negative) before
             anything is stepped.
         kind: its name; ``config``: its :attr:`~puredist.optim.base.Optimizer.config`

@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._inputs import transforms_active, vmap_levels
-from puredist.optim._checks import check_counted
+from puredist.optim._checks import counts_of
 
 
 def read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
@@ -22,16 +22,15 @@ def read_counts(states: Sequence[NamedTuple], why: str) -> list[int]:
         TypeError: a state counts no steps (made by an optimizer that keeps no count).
         NotImplementedError: a count mapped by a ``torch.func`` transform, which hides it.
     """
-    check_counted(states, why)
+    counts = counts_of(states, why)
     transformed = transforms_active()
-    if transformed and any(vmap_levels(s.step) for s in states):  # (grad keeps one value: read it)
+    if transformed and any(map(vmap_levels, counts)):  # (grad keeps one value: read it)
         raise NotImplementedError(
             f"{why}, read on the host, which a torch.func transform hides when it maps the count. "
             "Every replica has taken the same steps: map the counts with in_dims=None (each per-parameter state's "
-            "``step``), e.g. axes = puredist.optim.state_axes(state), "
+            "count), e.g. axes = puredist.optim.state_axes(state), "
             "vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))."
         )
-    counts = [s.step for s in states]
     if len(counts) > 1 and not transformed and _stackable(counts):
         # one read for all (on a GPU, where fused kernels keep the counts, each read waits for the device)
         return [int(count) for count in torch.stack(counts).tolist()]

@@ -13,7 +13,7 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist.optim._checks import check_counted, check_fused_sgd_takes, check_kernel_choice, check_nonnegative
+from puredist.optim._checks import check_fused_sgd_takes, check_kernel_choice, check_nonnegative, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, sgd_foreach_choice, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -190,7 +190,7 @@ class _SGD:
         dampening, fused = self.dampening, self.fused
         buffers = [getattr(s, "momentum_buffer", None) for s in states]
         if momentum and dampening and traced:
-            check_counted(states, "SGD with dampening knows its first step by the count")
+            counts_of(states, "SGD with dampening knows its first step by the count")
             buffers = [self.dampened_traced_step(p, g, s, lr, weight_decay, momentum)
                        for p, g, s in zip(params, grads, states)]
             for state in states:
