@@ -294,8 +294,13 @@ def test_a_schedule_under_plain_vmap_names_the_one_line_that_maps_it():
     optimizer = puredist.sgd(lr=lambda count: 0.1 / (1 + count), momentum=0.9)
     stacked = [torch.ones(2, 3)]
     state = vmap(optimizer.init)(stacked)
-    with pytest.raises(NotImplementedError, match=r"axes = \[a._replace\(step=None\) for a in "):
+    with pytest.raises(NotImplementedError, match=r"axes = puredist\.optim\.state_axes\(state\), "):
         vmap(optimizer.update)(stacked, [torch.ones(2, 3)], state)
+    state = [s._replace(step=s.step[0]) for s in state]  # every replica's count is the same
+    axes = puredist.optim.state_axes(state)  # the line named: it maps the buffers and not the counts
+    new_params, new_state = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))(
+        stacked, [torch.ones(2, 3)], state)
+    assert torch.equal(new_params[0], torch.full((2, 3), 0.9)) and new_state[0].step.item() == 1
 
 
 @pytest.mark.parametrize("options", [

@@ -452,3 +452,64 @@ def test_arguments_in_optax_order_are_named_as_such(make):
         with pytest.raises(ValueError, match=r"optax's order, update\(grads, state, params\)"):
             update(grads, state, params)
     assert torch.equal(params["w"], torch.ones(2, 3))
+
+
+def test_a_state_type_declares_every_field_and_the_factory_takes_only_declared_ones():
+    from typing import NamedTuple
+
+    from puredist.optim import Count, Shaped, make_optimizer, param_state
+
+    class Undeclared(NamedTuple):
+        buffer: torch.Tensor
+
+    with pytest.raises(TypeError, match=r"Field ``buffer`` of Undeclared must be annotated Shaped or Count"):
+        param_state(elementwise=True)(Undeclared)
+    with pytest.raises(TypeError, match=r"Arg ``state_type`` .*Undeclared.* must be declared with"):
+        make_optimizer(Undeclared, lambda p: Undeclared(p), lambda *args: args[2])
+
+    @param_state(elementwise=False)
+    class Declared(NamedTuple):
+        count: Count
+        buffer: Shaped
+
+    declared = puredist.optim.declaration(Declared)
+    assert (declared.elementwise, declared.shaped, declared.counts) == (False, ("buffer",), ("count",))
+    assert puredist.optim.declaration(Undeclared) is None
+    # a state whose shaped field was made for other parameters is refused before anything is stepped
+    opt = make_optimizer(Declared, lambda p: Declared(torch.zeros(()), torch.zeros_like(p)),
+                         lambda params, grads, states, traced: list(states))
+    assert not opt.elementwise
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(3,\), its state's buffers \(2,\)"):
+        opt.update_([torch.ones(3)], [torch.ones(3)], opt.init([torch.ones(2)]))
+
+
+def test_the_optim_package_imports_no_distribution_and_its_modules_form_no_cycle():
+    """Its contract ("must not communicate"), checked on the imports themselves (those
+    under ``TYPE_CHECKING`` included): nothing of the collectives, ZeRO or DiLoCo, and
+    no module of the package imports one that imports it back."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(puredist.optim.__file__).parent
+    allowed = {"puredist._docs", "puredist._dtensors", "puredist._inputs", "puredist._seq", "puredist.tree"}
+    graph = {}
+    for path in sorted(package.glob("*.py")):
+        name = "puredist.optim" if path.stem == "__init__" else f"puredist.optim.{path.stem}"
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+        ours = {m for m in imported if m.split(".")[0] == "puredist"}
+        outside = ours - allowed - {m for m in ours if m.startswith("puredist.optim")}
+        assert not outside, f"{name} imports {sorted(outside)}"
+        assert not any(m.startswith("torch.distributed") for m in imported), name
+        graph[name] = {m for m in ours if m.startswith("puredist.optim.")}
+
+    def reaches(start, goal, seen=()):
+        return any(m == goal or (m not in seen and reaches(m, goal, (*seen, m))) for m in graph.get(start, ()))
+
+    cycles = [name for name in graph if name != "puredist.optim" and reaches(name, name)]
+    assert not cycles, f"import cycles through {cycles}"
+    assert len(graph) >= 8  # every module was read

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from puredist._dtensors import like, local_shard
 from puredist.collectives import CollectiveHandle
+from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
 from puredist.outer.flat import relaid_states
 from puredist.outer.schedule import due_fragments, fragment_leaves
@@ -211,12 +212,14 @@ def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any
             f"Arg ``saved`` holds outer-optimizer state with fields {sorted(saved_fields)}; this transform's "
             f"outer optimizer keeps {sorted(fields)}: it is a checkpoint of another optimizer."
         )
+    declared = declaration(type(state.outer_state[0])) if state.outer_state else None
     for i, leaf_state in enumerate(state.outer_state):
-        if getattr(leaf_state, "step", None) is not None and not saved.get(f"outer.{i}.step.present", False):
-            raise ValueError(
-                f"Arg ``saved`` holds no step count for parameter {i}'s outer state: it was saved by an outer "
-                "optimizer that keeps none (without a schedule or dampening), which this one needs."
-            )
+        for count in declared.counts if declared else ():
+            if getattr(leaf_state, count) is not None and not saved.get(f"outer.{i}.{count}.present", False):
+                raise ValueError(
+                    f"Arg ``saved`` holds no step count for parameter {i}'s outer state (``{count}``): it was saved by "
+                    "an outer optimizer that keeps none (without a schedule or dampening), which this one needs."
+                )
     saved_world, world = saved.get("world_size", -1), _world_size()
     if state.residuals and saved_world >= 0 and world >= 0 and saved_world != world:
         raise ValueError(

@@ -7,8 +7,10 @@ fragment of one device and dtype whose leaves are small (host-bound: see
 :data:`_FLAT_MAX_LEAF_BYTES`), :func:`flat_init` lays the fragment's global copy
 end to end in one buffer and gives each leaf a view of it (the state keeps its
 per-leaf form: checkpoints, ``update`` and the other paths see the same tensors),
-and the outer state likewise when every field of it is shaped like the parameters
-(SGD's momentum; not a per-parameter step count). A synchronization then takes the
+and the outer state likewise when every field of it is declared shaped like the
+parameters (SGD's momentum; not a per-parameter step count). An outer optimizer that
+is not elementwise (its state type's declaration says so: a per-tensor norm, as
+LARS or LAMB) keeps the per-leaf path, its norms per tensor. A synchronization then takes the
 pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), averages that one
 tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
 of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
@@ -35,7 +37,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
 from puredist._layout import layout_of, views_like
-from puredist.optim import _any_none
+from puredist._seq import any_none
+from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
 
 
@@ -59,15 +62,17 @@ def flattens(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> bool:
 
 def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[NamedTuple]]:
     """``(global copy, outer states)`` of one fragment's ``leaves``: views of one
-    buffer each where the outer state's fields are all shaped like the buffer (else
-    the states are made per leaf)."""
+    buffer each where the outer state's fields are all declared shaped like the
+    parameter (:func:`~puredist.optim.param_state`; else the states are made per
+    leaf)."""
     first = leaves[0]
     flat = torch.empty(sum(t.numel() for t in leaves), dtype=first.dtype, device=first.device)
     copy = views_like(flat, leaves)
     with torch.no_grad():
         torch._foreach_copy_(copy, [t.detach() for t in leaves])
     (flat_state,) = config.outer.init([flat])
-    if not all(isinstance(field, torch.Tensor) and field.shape == flat.shape for field in flat_state):
+    declared = declaration(type(flat_state))
+    if declared is None or len(declared.shaped) != len(flat_state):
         return copy, list(config.outer.init(copy))  # e.g. a step count per parameter
     columns = [views_like(field, leaves) for field in flat_state]
     return copy, [type(flat_state)(*(column[k] for column in columns)) for k in range(len(leaves))]
@@ -76,7 +81,7 @@ def flat_init(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tuple[list
 def flat_base(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The one-dimensional buffer ``tensors`` are views of, end to end and in order,
     covering all of it; ``None`` when they are not (or not all tensors)."""
-    if not tensors or _any_none(tensors):
+    if not tensors or any_none(tensors):
         return None
     base = tensors[0]._base
     if base is None or base.dim() != 1 or not base.is_contiguous():
@@ -184,7 +189,7 @@ def relaid(template: Sequence[torch.Tensor], loaded: Sequence[torch.Tensor]) -> 
     """``loaded`` (one tensor per leaf, e.g. from a checkpoint) laid out as
     ``template`` is: in a new buffer of its own, viewed per leaf, where the
     template's tensors are views of one buffer (see :func:`flat_base`); else as they are."""
-    base = None if _any_none(template) or _any_none(loaded) else flat_base(template)
+    base = None if any_none(template) or any_none(loaded) else flat_base(template)
     if base is None:
         return list(loaded)
     views = views_like(torch.empty_like(base), template)

@@ -1,0 +1,146 @@
+"""The optimizers' checks: hyper-parameters at construction, states, parameters and
+gradients before a step. Each raises before anything is stepped, naming the
+argument and its value.
+
+This module must not step anything.
+"""
+
+from itertools import repeat
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from puredist._dtensors import dtensor_type
+from puredist._seq import any_complex, any_none
+from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
+from puredist.optim.base import declaration
+
+
+def check_nonnegative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # (NaN too)
+        raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
+
+
+def check_betas(betas: Any) -> None:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_beta, betas))):
+        raise ValueError(f"Arg ``betas`` must be two numbers in [0, 1), got {betas!r}.")
+
+
+def _is_beta(value: Any) -> bool:
+    try:
+        return bool(0.0 <= value < 1.0)
+    except (TypeError, RuntimeError):  # not a number (a string, None, a tensor of several values)
+        return False
+
+
+def check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
+    if foreach and fused:
+        raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
+
+
+def counts_of(states: Sequence[NamedTuple], why: str) -> list[torch.Tensor]:
+    """Each state's step count: its field declared :data:`~puredist.optim.base.Count`
+    (the first, where several are).
+
+    Raises:
+        TypeError: a state counts no steps (``why`` needs them).
+    """
+    fields = {kind: _count_field(kind) for kind in set(map(type, states))}
+    counts = [getattr(s, fields[type(s)]) if fields[type(s)] else None for s in states]
+    if any_none(counts):
+        raise TypeError(
+            f"Arg ``state``: parameter {counts.index(None)}'s state counts no steps (made by an optimizer that keeps "
+            f"no count, e.g. loaded from its checkpoint); {why}: init a new state."
+        )
+    return counts
+
+
+def _count_field(kind: type) -> str | None:
+    declared = declaration(kind)
+    return declared.counts[0] if declared is not None and declared.counts else None
+
+
+def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
+    """Raise, naming the argument, before anything is stepped where torch's fused
+    kernel would raise its own ``NotImplementedError`` from inside the step: it has no
+    complex kernels."""
+    if not fused or not any_complex(params):
+        return
+    complex_ = [i for i, p in enumerate(params) if p.is_complex()]
+    if complex_:
+        raise TypeError(
+            f"Arg ``fused`` of {name}: torch's fused kernel takes no complex parameters (parameter {complex_[0]} "
+            f"is {params[complex_[0]].dtype}); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+
+
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def check_fused_sgd_takes(params: Sequence[torch.Tensor], fused: bool | None) -> None:
+    """:func:`check_fused_takes`, and what torch's fused SGD kernel would get wrong or
+    refuse from inside the step: DTensor parameters (no sharding rule for it), and
+    16-bit parameters on a CPU where the installed torch's kernel disagrees with its
+    multi-tensor kernel (torch 2.13's steps a 16-element bf16 tensor 2.4 off after one
+    step at lr 0.7; probed once per dtype)."""
+    check_fused_takes(params, fused, "sgd")
+    if not fused or torch.compiler.is_compiling():  # (compiled, the fused kernel does not run)
+        return
+    dtensor = dtensor_type()
+    if dtensor is not None and any(map(isinstance, params, repeat(dtensor))):
+        raise TypeError(
+            "Arg ``fused`` of sgd: torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule); "
+            "nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+    if _HALF_DTYPES.isdisjoint(map(DTYPE, params)) or not any(map(IS_CPU, params)):
+        return  # (C-level: no Python frame per parameter on the usual path)
+    wrong = [i for i, p in enumerate(params) if p.is_cpu and p.dtype in _HALF_DTYPES and not cpu_fused_sgd_sound(p.dtype)]
+    if wrong:
+        raise ValueError(
+            f"Arg ``fused`` of sgd: torch {torch.__version__}'s fused SGD kernel on a CPU steps {params[wrong[0]].dtype} "
+            f"tensors wrongly (parameter {wrong[0]}: it disagrees with its multi-tensor kernel by far more than "
+            "rounding); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+        )
+
+
+def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
+    buffer has another shape than its parameter (a state made for other parameters:
+    the kernels would step some parameters, then fail)."""
+    kinds = set(map(type, states))
+    if len(kinds) != 1:
+        return
+    declared = declaration(kinds.pop())
+    if declared is None or not declared.shaped:  # e.g. SGD without momentum: nothing shaped like the parameters
+        return
+    field = declared.shaped[0]  # (one field tells a state made for other parameters)
+    buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
+    if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
+        return
+    if [b.shape for b in buffers] == [p.shape for p in leaves]:
+        return
+    i = next(i for i, (b, p) in enumerate(zip(buffers, leaves)) if b.shape != p.shape)
+    raise ValueError(
+        f"Arg ``state``: parameter {i} has shape {tuple(leaves[i].shape)}, its state's buffers "
+        f"{tuple(buffers[i].shape)}: a state made by init for other parameters. Nothing was stepped."
+    )
+
+
+def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], name: str,
+                 takes_sparse: bool) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a gradient (``None``
+    skips its parameter) has another shape than its parameter, or is sparse for an
+    optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
+    shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
+    if shapes != [p.shape if s is not None else None for p, s in zip(leaves, shapes)]:
+        i = next(i for i, (s, p) in enumerate(zip(shapes, leaves)) if s is not None and s != p.shape)
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} has shape {tuple(shapes[i])}, its parameter {tuple(leaves[i].shape)}. "
+            "Nothing was stepped."
+        )
+    if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
+        i = next(i for i, g in enumerate(grads) if g is not None and IS_SPARSE(g))
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} is sparse; {name} takes dense gradients only (torch.optim's neither: "
+            "consider torch.optim.SparseAdam). Nothing was stepped."
+        )

@@ -1,0 +1,120 @@
+"""Which of torch's kernels a step runs, and the workarounds around them.
+
+- whether a step is recorded (:func:`traced`: under a ``torch.func`` transform, or
+  ``differentiable`` with autograd on) and then which kernel form it takes;
+- torch's fused and multi-tensor kernels where they run, and where they do not
+  (``torch.compile`` tracing, a recorded step);
+- the workarounds for torch 2.13's inductor on the CPU (:func:`sgd_foreach_here`,
+  :func:`l2_while_compiling`) and the probe of its fused SGD kernel on 16-bit CPU
+  tensors (:func:`cpu_fused_sgd_sound`, run once per dtype, off the step path);
+- whether a pure update runs :mod:`puredist.optim._out_of_place`'s twins of the
+  multi-tensor kernels (:func:`steps_out_of_place`).
+
+This module must not validate arguments nor keep state: it chooses, the algorithms
+(:mod:`puredist.optim.sgd`, :mod:`puredist.optim.adam`) run.
+"""
+
+import functools
+import operator
+from typing import Callable, Sequence
+
+import torch
+from torch.optim.sgd import sgd as _sgd_kernel
+
+from puredist._inputs import is_transformed, transforms_active
+from puredist._seq import any_none
+from puredist.optim._out_of_place import runs_foreach
+
+
+def step_recorded(tensors: Callable[[], list[torch.Tensor]], differentiable: bool) -> bool:
+    """Whether the update must be recorded: a tensor of ``tensors()`` is wrapped by a
+    ``torch.func`` transform (``grad``, ``vmap``, ...), or the optimizer is
+    ``differentiable``, autograd is on and a tensor requires grad. ``tensors`` is called
+    only where that can be (no transform running, autograd off: no pass over them)."""
+    if transforms_active() and any(map(is_transformed, tensors())):
+        return True
+    return differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors())
+
+
+def fused_choice(fused: bool | None, traced: bool) -> bool | None:
+    """``fused`` where torch's fused kernel can run: not in a recorded step (it has no
+    differentiable form), nor while ``torch.compile`` traces (the kernel is opaque to
+    the compiler, which fuses torch's multi-tensor form itself)."""
+    return False if traced or torch.compiler.is_compiling() else fused
+
+
+def grads_for(fused: bool | None, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Sequence:
+    """``grads`` as the kernel takes them: for torch's fused kernel each laid out like
+    its parameter (a copy where its strides differ). That kernel pairs a parameter's
+    elements with its gradient's by their place in memory, so a transposed parameter
+    with a contiguous gradient (a pseudo-gradient, a gradient from ``torch.func``)
+    would be stepped with other elements' gradients; ``torch.optim`` never meets one,
+    as autograd lays a ``.grad`` out like its parameter."""
+    if not fused or (not any_none(grads) and list(map(_STRIDE, params)) == list(map(_STRIDE, grads))):
+        return grads  # (C-level: no Python frame per tensor)
+    return [g if g is None or g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g)
+            for p, g in zip(params, grads)]
+
+
+_STRIDE = torch.Tensor.stride
+
+
+def sgd_foreach_choice(foreach: bool | None, traced: bool) -> bool | None:
+    """SGD's multi-tensor choice: off in a recorded step (the for-loop kernel has the
+    differentiable form), on while ``torch.compile`` traces: inductor (torch 2.13, CPU)
+    miscompiles the for-loop kernel's ``param.add_(grad, alpha=-lr)`` in a graph that
+    also takes ``torch.func.grad`` (13.0 off after three steps of plain SGD); the
+    multi-tensor form compiles exactly (1e-7)."""
+    if traced:
+        return False
+    return True if torch.compiler.is_compiling() else foreach
+
+
+def l2_while_compiling(params, grads, weight_decay: float, maximize: bool, traced: bool) -> tuple[list, float, bool]:
+    """``(grads, weight_decay, maximize)`` for torch's kernel. While ``torch.compile``
+    traces, the L2 term is added here, as one multi-tensor op in torch's own order
+    (negate for ``maximize``, then add ``weight_decay * param``), and the kernel gets
+    neither: inductor (torch 2.13, CPU) miscompiles the for-loop kernel's
+    ``grad.add(param, alpha=weight_decay)`` in a graph that also takes
+    ``torch.func.grad`` (0.2 off after one step); Adam's multi-tensor kernel does not
+    compile on the CPU (its step counts), so the for-loop kernel runs, with this term
+    taken out of it. Eagerly: as given."""
+    if traced or not weight_decay or not torch.compiler.is_compiling():
+        return grads, weight_decay, maximize
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    return torch._foreach_add(grads, params, alpha=weight_decay), 0.0, False
+
+
+@functools.cache
+def cpu_fused_sgd_sound(dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD kernel on a CPU steps ``dtype`` tensors as its
+    multi-tensor kernel does, within a few units in the last place."""
+    gen = torch.Generator().manual_seed(0)
+    start, grad = (torch.randn(64, generator=gen).to(dtype) for _ in range(2))
+    stepped = []
+    for fused in (True, False):
+        param = start.clone()
+        _sgd_kernel([param], [grad.clone()], [None], foreach=not fused, fused=fused, weight_decay=0.0, momentum=0.0,
+                    lr=0.5, dampening=0.0, nesterov=False, maximize=False)
+        stepped.append(param.double())
+    return bool(torch.allclose(stepped[0], stepped[1], rtol=4 * torch.finfo(dtype).eps, atol=0.0))
+
+
+_OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
+"""Where :mod:`puredist._out_of_place` equals torch's in-place kernels bit for bit: a
+16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
+out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements)."""
+
+
+def steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
+    """Whether a pure update runs :mod:`puredist._out_of_place`'s step: eagerly, where
+    torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
+    gradients for all of them, no hyper-parameter a schedule. (Every pass over the
+    leaves is a C-level ``map``: no Python frame per leaf.)"""
+    return not (any(map(callable, hypers)) or torch.compiler.is_compiling()
+                or any_none(grads) or any(map(IS_SPARSE, grads)) or not runs_foreach(params, foreach, fused)
+                or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, map(DTYPE, params))))
+
+
+IS_SPARSE, DTYPE, IS_CPU = operator.attrgetter("is_sparse"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")

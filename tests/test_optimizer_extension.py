@@ -1,0 +1,206 @@
+"""The extension point: an optimizer that is not elementwise (LARS-like, a per-tensor
+trust ratio), defined in this file through the public API alone, runs under ZeRO,
+DiLoCo (flat fragments refused for it: its norms stay per tensor), ``vmap`` over
+stacked replicas and a checkpoint round trip, each against a hand-written per-tensor
+loop. Its state type's declaration (:func:`puredist.optim.param_state`) is all the
+library reads of it."""
+
+from typing import NamedTuple
+
+import torch
+from torch.func import vmap
+
+import puredist
+from puredist.optim import Count, Shaped, make_optimizer, param_state, state_axes
+from workers import run_workers
+
+MU, ETA = 0.9, 0.5
+
+
+def lr_at(count: int) -> float:
+    return 0.3 / (1 + count)
+
+
+@param_state(elementwise=False)
+class LarsState(NamedTuple):
+    """LARS state of one parameter.
+
+    Attributes:
+        momentum: the momentum of the trust-scaled gradient.
+        updates: the updates taken (the learning rate is a schedule of it).
+    """
+
+    momentum: Shaped
+    updates: Count  # any name: the schedule, vmap's axes and the checkpoint read the declaration
+
+
+def trust_scaled(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` times ``ETA * |param| / |grad|`` (1 where a norm is 0): one ratio per tensor."""
+    p_norm, g_norm = param.norm(), grad.norm()
+    ratio = torch.where((p_norm > 0) & (g_norm > 0), ETA * p_norm / g_norm.clamp_min(1e-30), torch.ones_like(p_norm))
+    return grad * ratio
+
+
+def lars(state_type=LarsState) -> puredist.Optimizer:
+    def init_leaf(param):
+        fields = {"momentum": torch.zeros_like(param), "updates": torch.zeros((), dtype=torch.float32)}
+        return state_type(**{name: fields[name] for name in state_type._fields})
+
+    def run(params, grads, states, traced, lr):
+        for param, grad, state in zip(params, grads, states):
+            state.momentum.mul_(MU).add_(trust_scaled(param, grad))
+            param.sub_(state.momentum * lr)
+            if "updates" in state._fields:
+                state.updates.add_(1)
+        return list(states)
+
+    return make_optimizer(state_type, init_leaf, run, hypers={"lr": lr_at if state_type is LarsState else 0.1},
+                          kind="lars")
+
+
+def oracle_step(param, grad, momentum, count, lr=None):
+    """The hand-written step of one tensor, out of place: ``(param, momentum)``."""
+    ratio = ETA * param.norm() / grad.norm() if param.norm() > 0 and grad.norm() > 0 else 1.0
+    momentum = MU * momentum + ratio * grad
+    return param - (lr_at(count) if lr is None else lr) * momentum, momentum
+
+
+def tensors(seed, shapes=((3, 4), (5,), (2, 2))):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for shape in shapes]
+
+
+def test_the_declaration_says_per_tensor_and_the_steps_follow_the_per_tensor_loop():
+    optimizer = lars()
+    assert not optimizer.elementwise and optimizer.config == "lars(lr='<schedule>')"
+    params = tensors(0)
+    state = optimizer.init(params)
+    expected, moments = [p.clone() for p in params], [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        grads = tensors(10 + step)
+        new_params, new_state = optimizer.update(params, grads, state)  # pure
+        state = optimizer.update_(params, grads, state)  # in place: the same values
+        for k, grad in enumerate(grads):
+            expected[k], moments[k] = oracle_step(expected[k], grad, moments[k], step)
+        for ours, pure, theirs in zip(params, new_params, expected):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(pure, ours, rtol=0, atol=0)
+    assert [s.updates.item() for s in state] == [3.0] * 3
+
+
+def test_under_zero_each_owner_steps_its_whole_tensors_as_the_loop_does():
+    replicas, owners = 3, (2, 0, 1)
+    optimizer = lars()
+    sharded = puredist.zero(optimizer)
+    params = [torch.stack([p] * replicas) for p in tensors(1)]
+    state = sharded.init(params, plan=puredist.ZeroPlan(replicas, owners), rank=None)
+    expected, moments = [p[0].clone() for p in params], [torch.zeros_like(p[0]) for p in params]
+    for step in range(3):
+        grads = [torch.stack([g * (r + 1) for r in range(replicas)]) for g in tensors(20 + step)]  # the owner's counts
+        state = sharded.update_(params, grads, state, collective=puredist.SimulatedCollective(replicas))
+        for k, owner in enumerate(owners):
+            expected[k], moments[k] = oracle_step(expected[k], grads[k][owner], moments[k], step)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e.expand_as(p), rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_over_stacked_replicas_steps_each_replica_as_the_loop_does():
+    replicas, optimizer = 3, lars()
+    params = [torch.stack([p * (r + 1) for r in range(replicas)]) for p in tensors(2)]
+    one = optimizer.init([p[0] for p in params])
+    state = [s._replace(momentum=torch.stack([s.momentum] * replicas)) for s in one]  # one count for every replica
+    axes = state_axes(state)
+    assert [a.updates for a in axes] == [None] * 3 and [a.momentum for a in axes] == [0] * 3
+    mapped = vmap(optimizer.update, in_dims=(0, 0, axes), out_dims=(0, axes))
+    expected = [[p[r].clone() for p in params] for r in range(replicas)]
+    moments = [[torch.zeros_like(p[0]) for p in params] for _ in range(replicas)]
+    for step in range(3):
+        grads = [torch.stack([g * (r - 1) for r in range(replicas)]) for g in tensors(30 + step)]  # a zero row too
+        params, state = mapped(params, grads, state)
+        for r in range(replicas):
+            for k, grad in enumerate(grads):
+                expected[r][k], moments[r][k] = oracle_step(expected[r][k], grad[r], moments[r][k], step)
+    for k, p in enumerate(params):
+        torch.testing.assert_close(p, torch.stack([expected[r][k] for r in range(replicas)]), rtol=1e-6, atol=1e-6)
+
+
+class LarsClaimedElementwise(NamedTuple):  # the same step, its state (wrongly) declared elementwise below
+    momentum: Shaped
+
+
+param_state(elementwise=True)(LarsClaimedElementwise)
+SYNC_EVERY, STEPS = 2, 8
+
+
+def drift(rank: int, step: int, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(*shape, generator=gen) * (rank + 1)
+
+
+def _diloco(rank, world_size, claimed_elementwise):
+    from puredist.outer.flat import flat_base
+
+    optimizer = lars(LarsClaimedElementwise) if claimed_elementwise else lars()
+    transform = puredist.outer_optimizer(optimizer, sync_every=SYNC_EVERY)
+    params = tensors(3)
+    state = transform.init(params)
+    collective = puredist.DistributedCollective()
+    resumed = None
+    for step in range(STEPS):
+        for p in params:
+            p.add_(drift(rank, step, p.shape))
+        state = transform.update_(params, state, collective=collective)
+        if step == STEPS // 2:  # a checkpoint round trip: saved, loaded into a fresh state, stepped alongside
+            saved = transform.state_dict(state, rank=rank)
+            resumed_params = [p.clone() for p in params]
+            resumed = transform.load_state_dict(transform.init(resumed_params), saved, rank=rank)
+        elif resumed is not None:
+            for p in resumed_params:
+                p.add_(drift(rank, step, p.shape))
+            resumed = transform.update_(resumed_params, resumed, collective=collective)
+    return params, resumed_params, flat_base(state.global_params) is not None
+
+
+def diloco_oracle(world_size: int, elementwise_lr: float | None = None):
+    """DiLoCo by hand on every rank at once: every ``SYNC_EVERY`` steps the mean of
+    the ranks' parameters; the first synchronization takes it, the later ones step
+    the global copy per tensor with the pseudo-gradient ``global - mean``."""
+    start = tensors(3)
+    globals_, moments = [p.clone() for p in start], [torch.zeros_like(p) for p in start]
+    local = [[p.clone() for p in start] for _ in range(world_size)]
+    syncs = 0
+    for step in range(STEPS):
+        for rank in range(world_size):
+            local[rank] = [p + drift(rank, step, p.shape) for p in local[rank]]
+        if step % SYNC_EVERY:
+            continue
+        means = [sum(local[r][k] for r in range(world_size)) / world_size for k in range(len(start))]
+        if step == 0:
+            globals_ = means
+        else:
+            for k, mean in enumerate(means):
+                globals_[k], moments[k] = oracle_step(globals_[k], globals_[k] - mean, moments[k], syncs,
+                                                      elementwise_lr)
+            syncs += 1
+        local = [[g.clone() for g in globals_] for _ in range(world_size)]
+    return local
+
+
+def test_diloco_keeps_its_norms_per_tensor_and_a_checkpoint_resumes_it():
+    results = run_workers(_diloco, 2, False)
+    expected = diloco_oracle(2)
+    for rank, (params, resumed, laid_flat) in enumerate(results):
+        assert not laid_flat  # declared per tensor: the flat fragment path is not taken
+        for ours, again, theirs in zip(params, resumed, expected[rank]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(again, ours, rtol=0, atol=0)  # the round trip changed nothing
+
+
+def test_the_declaration_is_what_decides_a_state_declared_elementwise_is_laid_flat():
+    # the same per-tensor step under a declaration that claims elementwise: the fragment is laid flat and
+    # its norms are taken over the whole fragment, so it leaves the per-tensor oracle (the check above can fail)
+    results = run_workers(_diloco, 2, True)
+    expected = diloco_oracle(2, elementwise_lr=0.1)
+    params, _, laid_flat = results[0]
+    assert laid_flat
+    assert any(not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3) for ours, theirs in zip(params, expected[0]))
