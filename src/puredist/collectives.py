@@ -647,6 +647,6 @@ class SimulatedCollective(ReplicaGroups):
         differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
         if differing:
             raise RankMismatchError(
-                f"{what}: tensors {differing} differ between replicas (of {len(tensors)}); they must start "
-                "equal on every replica."
+                f"Tensors {differing} (of {len(tensors)}) differ between replicas; they must start equal on "
+                f"every replica. Checked: {what}."
             )

@@ -84,6 +84,11 @@ class OuterConfig:
     def __str__(self) -> str:
         return self.text
 
+    def explain(self, reason: str) -> str:
+        """An error message about this transform: ``reason`` first, then the
+        configuration it concerns (which every error of the transform names)."""
+        return f"{reason}\n  (transform: {self.text})"
+
 
 def _check_options(config: OuterConfig) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad option and its value."""
