@@ -8,7 +8,7 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
 
-$(VENV)/.installed: pyproject.toml requirements-dev.txt
+$(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
