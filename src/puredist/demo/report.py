@@ -224,8 +224,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     wall.invert_yaxis()
     for axis in (curves, tradeoff, wall):
         axis.grid(alpha=0.3)
-    figure.legend(*curves.get_legend_handles_labels(), loc="lower center", ncol=min(6, len(runs) + 1), frameon=False)
+    handles, labels = curves.get_legend_handles_labels()
+    columns = min(6, len(labels))
+    figure.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
     figure.suptitle(f"puredist demo: {summary['title']}, {summary['world_size']} local Gloo workers")
-    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    figure.tight_layout(rect=(0, 0.03 + 0.05 * -(-len(labels) // columns), 1, 1))  # room for the legend's rows
     figure.savefig(path, dpi=100)
     plt.close(figure)
