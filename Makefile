@@ -8,7 +8,7 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
 
-$(VENV)/.installed: pyproject.toml requirements-dev.txt
+$(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
@@ -30,10 +30,10 @@ upstream: install
 	$(PY) -m pip install --quiet -e .[upstream]
 	$(PY) upstream/run.py
 
-# the API reference from the docstrings, offline; a type annotation pdoc cannot resolve is an error
-DOCS_MODULES := puredist puredist.averaging puredist.collectives puredist.compression puredist.optim puredist.outer puredist.replicas puredist.schedules puredist.sharding puredist.zero_sharded puredist.classic puredist.tree puredist.testing puredist.ft
+# the guides (docs/*.md) and the API reference (from the docstrings) as HTML in out/docs,
+# offline; nitpicky and with warnings as errors, so a broken cross-reference fails it
 docs: install
-	$(PY) -W "error::UserWarning:pdoc.doc_types" -m pdoc -o out/docs $(DOCS_MODULES)
+	$(PY) -m sphinx -b html -n -W --keep-going -E -q docs out/docs
 
 demo: install
 	$(PY) -m puredist demo $(ARGS)

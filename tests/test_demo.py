@@ -53,7 +53,7 @@ def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
     config = summary["config"]  # what ran, to run it again
     assert (config["task"], config["steps"], config["seed"], config["world_size"]) == ("digits", 40, 0, 2)
     assert config["optimizer"] == "sgd" and config["versions"]["puredist"] and config["versions"]["torch"]
-    assert "(* the best on that link" in done.stdout
+    assert "(* the fastest on that link" in done.stdout and "(* the lowest on that link" in done.stdout
     for row in summary["algorithms"].values():
         assert row["eval_accuracy"] > 0.5  # 40 steps of SGD learn the digits well past chance (10 %)
         # the held-out loss of the averaged model falls below a uniform guess's (ln 10)
@@ -225,6 +225,49 @@ def test_the_ratio_to_the_first_algorithm_is_not_shown_when_it_sent_nothing():
     summary = {"algorithms": {"local": {**row, "bytes_per_worker": 0}, "ddp": {**row, "bytes_per_worker": 10**6}}}
     lines = table(summary).splitlines()
     assert all(" n/a " in line for line in lines[1:]), lines
+
+
+def test_the_plot_has_one_legend_a_point_per_algorithm_against_bytes_and_the_wall_times(monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+
+    from puredist.demo.report import plot
+
+    def row(loss, sent, wall, killed=None):
+        evaluations = [{"step": s, "accuracy": 0.5, "loss": loss + 1 / s, "bytes_per_worker": sent * s // 4}
+                       for s in (1, 2, 4)]  # bytes start at 0 before the first synchronization
+        return {"evaluations": evaluations, "eval_loss": loss + 0.25, "bytes_per_worker": sent, "wall_s": wall,
+                "faults": {"killed": killed}}
+
+    runs = {"ddp": row(0.1, 2**24, 2.0), "diloco": row(0.2, 2**18, 1.0),
+            "diloco_ft": row(0.2, 2**19, 3.0, killed={"worker": 1, "step": 2})}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at
+    plot({"algorithms": runs, "title": "t", "world_size": 4}, tmp_path / "demo.png")
+    (figure,) = figures
+    curves, tradeoff, wall = figure.axes
+    assert len(figure.legends) == 1 and all(axis.get_legend() is None for axis in figure.axes)
+    assert [t.get_text() for t in figure.legends[0].texts] == [*runs, "diloco_ft: worker killed"]
+    assert tradeoff.get_xscale() == "log" and not tradeoff.lines  # points only: no line through zero bytes
+    points = [tuple(c.get_offsets()[0]) for c in tradeoff.collections]
+    assert points == [(r["bytes_per_worker"] / 2**20, r["eval_loss"]) for r in runs.values()]
+    assert [bar.get_width() for bar in wall.patches] == [r["wall_s"] for r in runs.values()]
+    assert [label.get_text() for label in wall.get_yticklabels()] == list(runs)
+
+
+def test_each_projected_table_explains_its_mark_in_a_line_of_its_own():
+    from puredist.demo.network import LINKS
+    from puredist.demo.report import projection_table
+
+    links = [link._asdict() for link in LINKS]
+    row = {"steps_to_target": 1, "projected_s": {}, "projected_loss_within_budget": {}}
+    for link in links:
+        row["projected_s"][link["name"]] = row["projected_loss_within_budget"][link["name"]] = 1.0
+    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_from": "ddp", "links": links,
+             "budget_s": {link["name"]: 1.0 for link in links}}
+    lines = projection_table({"algorithms": {"ddp": row}, "network_model": model}).splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("ddp ")]
+    assert len(rows) == 2 and all(lines[i + 1].startswith("(* the ") for i in rows)
+    assert "last evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
 
 
 def test_help_explains_the_options():

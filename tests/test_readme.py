@@ -1,7 +1,8 @@
-"""Every code block of the README is exercised: Python blocks run as a reader would run
-them, copied into a file (with ``python``, or with torchrun on 4 local Gloo ranks where
-they use ``torch.distributed``); shell blocks name make targets and files that exist; the
-sample output has the demo's real table header."""
+"""Every code block of the README and of the guides in ``docs/`` is exercised: Python
+blocks run as a reader would run them, copied into a file (with ``python``, or with
+torchrun on 4 local Gloo ranks where they use ``torch.distributed``); shell blocks name
+make targets and files that exist; the sample outputs have the demo's real table
+headers. A block that is not meant to run has another fence language than ``python``."""
 
 import os
 import re
@@ -16,22 +17,67 @@ from puredist.demo.network import LINKS
 from puredist.demo.report import projection_table, table
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-PYTHON = [code for lang, code in BLOCKS if lang == "python"]
-SHELL = [code for lang, code in BLOCKS if lang == "sh"]
-TEXT = [code for lang, code in BLOCKS if lang == "text"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(page.relative_to(ROOT).as_posix(), lang, code)
+          for page in PAGES for lang, code in re.findall(r"```(\w+)\n(.*?)```", page.read_text(), flags=re.S)]
+PYTHON = [(page, code) for page, lang, code in BLOCKS if lang == "python"]
+DISTRIBUTED = [(page, code) for page, code in PYTHON if "torch.distributed" in code]
+LOCAL = [(page, code) for page, code in PYTHON if "torch.distributed" not in code]
+SHELL = [code for _, lang, code in BLOCKS if lang == "sh"]
+TEXT = [code for _, lang, code in BLOCKS if lang == "text"]
+
+# Runs each file given in a fresh namespace, in this one process (one import of torch for
+# all of them), as ``python file`` would; a failure names its file.
+_RUN_EACH = """
+import runpy, sys, traceback
+for path in sys.argv[1:]:
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(f"failed: {path}")
+"""
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON)))
-def test_python_blocks_run_as_copied_into_a_file(index, tmp_path):
-    code = PYTHON[index]
+def _env() -> dict[str, str]:
+    return with_exit_marker({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_the_pages_have_python_blocks_of_both_kinds():
+    pages = {page for page, _ in PYTHON}
+    assert {"README.md", "docs/functional.md", "docs/sharded.md", "docs/classic.md"} <= pages
+    assert LOCAL and DISTRIBUTED
+
+
+def test_the_readme_is_short_and_every_page_says_what_is():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 350
+    assert lines.index("```python") < 120  # code early: the first example within the first screens
+    history = re.compile(r"session|sitting|this round|last round|independent review|reviewer", flags=re.I)
+    for page in PAGES:
+        found = [line for line in page.read_text().splitlines() if history.search(line)]
+        assert not found, (page.name, found)
+
+
+def test_python_blocks_without_torch_distributed_run_as_copied_into_a_file(tmp_path):
+    scripts = []
+    for index, (page, code) in enumerate(LOCAL):
+        script = tmp_path / f"{page.replace('/', '_')}_{index}.py"
+        script.write_text(code)
+        scripts.append(str(script))
+    done = subprocess.run([sys.executable, "-c", _RUN_EACH, *scripts], capture_output=True, text=True,
+                          timeout=600, env=_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.mark.parametrize("index", range(len(DISTRIBUTED)), ids=[page for page, _ in DISTRIBUTED])
+def test_python_blocks_with_torch_distributed_run_under_torchrun(index, tmp_path):
+    page, code = DISTRIBUTED[index]
     script = tmp_path / f"block{index}.py"
     script.write_text(code)
-    distributed = "torch.distributed" in code
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"] if distributed \
-        else [sys.executable]
-    env = with_exit_marker({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
-    done = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    done = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=240, env=_env(),
+                          cwd=tmp_path)
     assert_ran(done)
 
 
@@ -43,7 +89,7 @@ def test_shell_blocks_use_real_targets_and_files():
         command = line.split("#")[0].strip()
         if command.startswith("make "):
             assert re.search(rf"^{command.split()[1]}:", makefile, flags=re.M), command
-        for path in re.findall(r"\S+\.py", command):
+        for path in re.findall(r"(?:^|\s)([\w./-]+\.py)(?=\s|$)", command):  # a file, not a URL's host
             assert (ROOT / path).is_file(), path
 
 

@@ -15,6 +15,11 @@ Where to start:
 - ZeRO: :func:`zero` with a plan from :func:`plan_zero` — :mod:`puredist.zero_sharded`,
   :mod:`puredist.sharding`;
 - compressed averaging with error feedback: :mod:`puredist.compression`;
+- the schedules as plain functions of the step: :mod:`puredist.schedules`;
+- a collective inside ``torch.func.vmap``: :mod:`puredist.replicas`;
+- fault tolerance over torchft: :mod:`puredist.ft`;
+- for your own tests and transforms: hypothesis strategies in :mod:`puredist.testing`,
+  tree functions in :mod:`puredist.tree`;
 - torch's classes, same names and signatures: :mod:`puredist.classic`.
 
 This module only re-exports them.

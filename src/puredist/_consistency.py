@@ -164,8 +164,8 @@ def check_same_values_on_all_ranks(
     differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
     if differing:
         raise RankMismatchError(
-            f"{what}: tensors {differing} differ between ranks (of {len(tensors)}); they must start "
-            "equal on every rank (broadcast them from one rank, as DDP does at construction)."
+            f"Tensors {differing} (of {len(tensors)}) differ between ranks; they must start equal on every "
+            f"rank (broadcast them from one rank, as DDP does at construction). Checked: {what}."
         )
 
 

@@ -1,7 +1,7 @@
 """Docstrings for the fields of puredist's NamedTuples, from their class's own.
 
 A NamedTuple's fields are properties whose docstring is "Alias for field number N",
-which is what the API reference (pdoc) and ``help()`` show. :func:`fields_documented`
+which is what the API reference (Sphinx autodoc) and ``help()`` show. :func:`fields_documented`
 gives each field the text its class's ``Attributes:`` section has for it (Google
 style: ``name: text``, or ``a, b: text`` for several, continued on more indented
 lines). It only sets docstrings.

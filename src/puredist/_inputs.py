@@ -298,7 +298,7 @@ def _share_on_one_lattice(a: torch.Tensor, b: torch.Tensor, offset: int) -> bool
     """Whether ``a`` and ``b`` (same element size; ``b`` starts ``offset`` elements
     after ``a``) have an element in common, where both step through memory with the
     same strides (column slices of one matrix, of any size); ``None`` elsewhere, or
-    where the search below would take more than :data:`_LATTICE_STEPS` steps.
+    where the search below would take more than ``_LATTICE_STEPS`` steps.
 
     An element is shared iff ``offset = sum_d k_d * stride_d`` for some index
     differences ``-(b.shape[d] - 1) <= k_d <= a.shape[d] - 1``. Largest stride first,

@@ -94,7 +94,7 @@ def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
 def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
     """Raise unless every group size (from the argument named ``arg``) is a positive
     divisor of ``world_size`` and the last one (the top of the hierarchy) equals it;
-    ``whole`` names what has ``world_size`` ranks (``"arg ``process_group``"``)."""
+    ``whole`` names what has ``world_size`` ranks (e.g. ``"arg process_group"``)."""
     for size in group_sizes:
         _check_int(arg, size)
     if group_sizes[-1] != world_size:  # (first, as torch checks it)

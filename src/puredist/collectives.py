@@ -272,7 +272,7 @@ class DistributedCollective:
     def with_subgroups(
         cls, group_sizes: Sequence[int], process_group: dist.ProcessGroup | None = None, **kwargs
     ) -> "DistributedCollective":
-        """Get the subgroups of each size in ``group_sizes`` (see :func:`subgroup`:
+        """Get the subgroups of each size in ``group_sizes`` (see ``subgroup``:
         created collectively on first use, then reused) and return a collective
         using them.
 
@@ -346,7 +346,7 @@ class DistributedCollective:
             tensors: dense floating-point or complex tensors, no two sharing memory,
                 the same devices, dtypes and shapes in the same order on every rank.
             group_size: ``None`` for the whole group, else one of
-                :attr:`group_sizes`.
+                ``group_sizes``.
             async_op: return a :class:`CollectiveHandle` at once instead of waiting.
                 Every bucket is then staged at once (memory: the tensors' size), and
                 :meth:`CollectiveHandle.wait` writes all results or none.
@@ -647,6 +647,6 @@ class SimulatedCollective(ReplicaGroups):
         differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
         if differing:
             raise RankMismatchError(
-                f"{what}: tensors {differing} differ between replicas (of {len(tensors)}); they must start "
-                "equal on every replica."
+                f"Tensors {differing} (of {len(tensors)}) differ between replicas; they must start equal on "
+                f"every replica. Checked: {what}."
             )

@@ -11,7 +11,7 @@ unchanged on real ranks with a :class:`~puredist.DistributedCollective`::
 The replica axis is the innermost ``vmap`` around the call (other ``vmap`` levels
 outside it batch whole simulations). The mean within groups of ``group_size``
 consecutive replicas is the same division rule as the other backends
-(:func:`~puredist.collectives.block_mean`); it is differentiable (the adjoint of a mean
+(``puredist.collectives.block_mean``); it is differentiable (the adjoint of a mean
 is the mean of the gradients over the same group), composes with ``torch.func.grad``
 (either side of the ``vmap``) and compiles with ``torch.compile(fullgraph=True)``.
 

@@ -161,7 +161,7 @@ def plan_zero(
     Args:
         sizes: element count of each parameter, in leaf order.
         world_size: ranks to shard over (``>= 1``).
-        strategy: one of :data:`STRATEGIES`.
+        strategy: one of ``STRATEGIES``.
         buckets: parameter indices per bucket (the DDP layout); required by the
             bucket strategies, ignored by ``"balanced"``.
         start_loads: elements each rank already owns (to plan parameters added

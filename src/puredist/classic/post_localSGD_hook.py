@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class PostLocalSGDState:
-    """State of :func:`post_localSGD_hook`: all-reduce gradients over
+    """State of ``post_localSGD_hook``: all-reduce gradients over
     ``process_group`` until iteration ``start_localSGD_iter``, then over
     ``subgroup`` (``None``: the intra-node group, created on first use).
 

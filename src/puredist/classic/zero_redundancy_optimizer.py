@@ -103,7 +103,7 @@ functional form, and takes either class there."""
 def _local_optimizer(optimizer_class: Any, overlap_with_ddp: bool, defaults: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """What builds the local optimizer and with which arguments, as torch checks them:
     anything that builds an optimizer from param groups and keywords (a class,
-    ``functools.partial`` of one); with the overlap, one of :data:`OVERLAP_OPTIMIZERS`
+    ``functools.partial`` of one); with the overlap, one of ``OVERLAP_OPTIMIZERS``
     or torch's functional form of one, which torch refuses without it. For a
     functional form, its ``torch.optim`` class is built with the functional form's
     defaults for the arguments not given (torch's functional SGD steps at lr 0.01,
@@ -207,7 +207,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         optimizer_class: what builds the local optimizer from param groups and the
             keyword arguments: a ``torch.optim.Optimizer`` subclass (custom ones
             included) or e.g. ``functools.partial`` of one; with
-            ``overlap_with_ddp`` one of :data:`OVERLAP_OPTIMIZERS`.
+            ``overlap_with_ddp`` one of ``OVERLAP_OPTIMIZERS``.
         process_group: the group to shard over (``None``: WORLD).
         parameters_as_bucket_view: accepted for compatibility; no effect.
         overlap_with_ddp: the step runs inside DDP's backward through

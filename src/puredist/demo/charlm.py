@@ -8,8 +8,8 @@ contiguous shard per worker. The vocabulary is the corpus's own characters.
 The model is a decoder-only transformer: token and learned position embeddings,
 pre-norm blocks of causal multi-head self-attention
 (:func:`torch.nn.functional.scaled_dot_product_attention`) and a GELU MLP, a final
-LayerNorm and a linear head. Two sizes: ``lm`` (:data:`SMALL`, about 0.43M
-parameters, minutes on a CPU) and ``lm-large`` (:data:`LARGE`, about 19M parameters
+LayerNorm and a linear head. Two sizes: ``lm`` (``SMALL``, about 0.43M
+parameters, minutes on a CPU) and ``lm-large`` (``LARGE``, about 19M parameters
 on windows four times longer: a size worth a GPU). The inner optimizer is AdamW, as
 in DiLoCo.
 

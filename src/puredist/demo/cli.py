@@ -230,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch's C++ warnings (deprecations inside torch and Gloo, printed by the workers'
+    # threads) are not the user's to act on here; the workers read this when torch loads
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

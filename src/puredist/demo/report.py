@@ -183,50 +183,51 @@ def projection_table(summary: dict[str, Any]) -> str:
         f"{'algorithm':14s} {'step':>6s} " + header,
         *_per_link(runs, links, "projected_s", _duration,
                    lambda row: "-" if row["steps_to_target"] is None else str(row["steps_to_target"])),
+        "(* the fastest on that link; - not reached)",
         "held-out loss reached within the same time (the fastest whole run's, per link):",
         f"{'algorithm':14s} {'':6s} " + " ".join(f"{_duration(model['budget_s'][link]):>12s}" for link in links),
         *_per_link(runs, links, "projected_loss_within_budget", lambda loss: f"{loss:.3f}", lambda row: ""),
-        "(* the best on that link; - not reached)",
+        "(* the lowest on that link, each run read at its last evaluation within the time: a run that ends lower "
+        "after it is not counted)",
     ])
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Held-out loss of the averaged model against step and against bytes sent (log
-    scale: the algorithms span orders of magnitude), held-out accuracy against bytes
-    sent, and rank 0's training loss."""
+    """Three panels, one legend for all: held-out loss of the averaged model against
+    step; its final value against the bytes each worker sent (log scale, one point per
+    algorithm: the trade-off at a glance); and each algorithm's wall time. A killed
+    worker's step is a dotted line in the first panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for index, (algorithm, row) in enumerate(summary["algorithms"].items()):
-        style = dict(label=algorithm, linestyle=LINE_STYLES[index % len(LINE_STYLES)])
-        steps, accuracies, losses, sent = zip(*(tuple(e.values()) for e in row["evaluations"]))
-        mib = [b / 2**20 for b in sent]
-        axes[0][0].plot(steps, losses, marker="o", markersize=3, **style)
+    runs = summary["algorithms"]
+    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    figure, (curves, tradeoff, wall) = plt.subplots(1, 3, figsize=(15, 4.8), width_ratios=(1.2, 1.2, 0.8))
+    for index, (algorithm, row) in enumerate(runs.items()):
+        color, marker = colors[index % len(colors)], "os^Dv<>pPX*h"[index % 12]
+        steps = [e["step"] for e in row["evaluations"]]
+        losses = [e["loss"] for e in row["evaluations"]]
+        curves.plot(steps, losses, color=color, linestyle=LINE_STYLES[index % len(LINE_STYLES)], marker=marker,
+                    markersize=3, label=algorithm)
         killed = (row.get("faults") or {}).get("killed")
         if killed:
-            axes[0][0].axvline(killed["step"], color="gray", linestyle=":", label=f"{algorithm}: worker killed")
-        axes[0][1].plot(mib, losses, marker="o", markersize=3, **style)
-        axes[1][0].plot(mib, [100 * a for a in accuracies], marker="o", markersize=3, **style)
-        train = row["train_losses"]
-        window = max(1, len(train) // 30)
-        smooth = [sum(train[max(0, i - window + 1): i + 1]) / len(train[max(0, i - window + 1): i + 1]) for i in range(len(train))]
-        axes[1][1].plot(range(1, len(train) + 1), smooth, **style)
-    for (i, j), (x, y) in {
-        (0, 0): ("training step", "held-out loss of the averaged model"),
-        (0, 1): ("MiB sent per worker", "held-out loss of the averaged model"),
-        (1, 0): ("MiB sent per worker", "held-out accuracy of the averaged model (%)"),
-        (1, 1): ("training step", "training loss, rank 0's minibatches (smoothed)"),
-    }.items():
-        axes[i][j].set_xlabel(x)
-        axes[i][j].set_ylabel(y)
-        axes[i][j].grid(alpha=0.3)
-        if x.startswith("MiB"):
-            axes[i][j].set_xscale("log")
-        axes[i][j].legend()
+            curves.axvline(killed["step"], color=color, linestyle=":", linewidth=1, label=f"{algorithm}: worker killed")
+        mib = max(row["bytes_per_worker"], 1) / 2**20
+        tradeoff.scatter(mib, row["eval_loss"], color=color, marker=marker, s=50)
+        wall.barh(index, row["wall_s"], color=color)
+    curves.set(xlabel="training step", ylabel="held-out loss of the averaged model", title="loss against step")
+    tradeoff.set(xscale="log", xlabel="MiB sent per worker (log scale)", ylabel="final held-out loss",
+                 title="final loss against bytes sent")
+    wall.set(yticks=range(len(runs)), yticklabels=list(runs), xlabel="seconds (training steps)", title="wall time")
+    wall.invert_yaxis()
+    for axis in (curves, tradeoff, wall):
+        axis.grid(alpha=0.3)
+    handles, labels = curves.get_legend_handles_labels()
+    columns = min(6, len(labels))
+    figure.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
     figure.suptitle(f"puredist demo: {summary['title']}, {summary['world_size']} local Gloo workers")
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.03 + 0.05 * -(-len(labels) // columns), 1, 1))  # room for the legend's rows
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -31,7 +31,7 @@ def bytes_written() -> int:
 
 
 class ByteMeter:
-    """Bytes written by the communication threads while inside :meth:`counting`."""
+    """Bytes written by the communication threads while inside ``counting``."""
 
     def __init__(self) -> None:
         self.total = 0

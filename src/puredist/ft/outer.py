@@ -68,13 +68,13 @@ class FaultTolerantOuter:
             )
         config = options_of(transform.update)
         if config.delay or config.lower_sizes or config.warmup_steps < 1:
-            raise ValueError(
-                f"Arg ``transform`` ({config}): a fault-tolerant synchronization runs synchronous and at one level "
+            raise ValueError(config.explain(
+                "Arg ``transform``: a fault-tolerant synchronization runs synchronous and at one level "
                 "(delay=0, no lower_levels), after at least one step of warm-up (warmup_steps >= 1): a delayed one "
                 "carries per-rank snapshots that a healing peer cannot hand over, a quorum has no subgroups, and "
                 "without warm-up step 0 would both check the initial copy and synchronize, two reductions in one "
                 "update_, where a replica healing at the second could not replay the first."
-            )
+            ))
         self.transform = transform
         self.manager = manager
         self.collective = ManagerCollective(manager, restart_on_heal=True)

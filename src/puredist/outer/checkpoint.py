@@ -4,7 +4,7 @@ that a saved one belongs to this transform and rank before anything is built.
 A checkpoint is a flat dict of fixed keys (the same for any state of one transform),
 which ``torch.save`` and ``torch.distributed.checkpoint`` both store:
 
-- ``step``, ``config`` (the transform's :attr:`~puredist.outer.config.OuterConfig.text`),
+- ``step``, ``config`` (the transform's ``OuterConfig.text``),
   ``world_size``;
 - ``global.{i}``: the global copy of leaf ``i``;
 - ``outer.{i}.{field}`` and ``outer.{i}.{field}.present``: the outer optimizer's state

@@ -74,7 +74,7 @@ def check_initial_copy(config: OuterConfig, state: OuterState, collective: Colle
     must be replicated, as DDP's broadcast makes them)."""
     collective.check_replicated(
         list(state.global_params),
-        what=f"{config}: the initial parameters (the global copy made by init)",
+        what=config.explain("the initial parameters (the global copy made by init)"),
         context=initial_check_context(config),
     )
 
@@ -94,9 +94,11 @@ def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective
     """
     if any(is_transformed(t) for t in state.global_params):
         raise NotImplementedError(
-            f"{config}: at step 0 the global copy made by init is checked to be the same on every rank, on the "
-            "host, which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
-            "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
+            config.explain(
+                "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
+                "which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
+                "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
+            )
         )
     if not isinstance(collective, VmapCollective):
         with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly

@@ -32,8 +32,8 @@ class OuterConfig:
     """The options of :func:`~puredist.outer_optimizer` (see there), checked.
 
     Attributes:
-        outer, sync_every, warmup_steps, delay, fragments, comm_dtype, global_device,
-            global_dtype, compressor: as given.
+        outer, sync_every, warmup_steps, delay, fragments: as given.
+        comm_dtype, global_device, global_dtype, compressor: as given.
         lower_levels: ``{period: group_size}``, as given (``{}``: none).
         offsets: fragment ``f`` synchronizes ``offsets[f]`` steps after fragment 0.
         lower_sizes: the group sizes of ``lower_levels``, in its order.
@@ -83,6 +83,11 @@ class OuterConfig:
 
     def __str__(self) -> str:
         return self.text
+
+    def explain(self, reason: str) -> str:
+        """An error message about this transform: ``reason`` first, then the
+        configuration it concerns (which every error of the transform names)."""
+        return f"{reason}\n  (transform: {self.text})"
 
 
 def _check_options(config: OuterConfig) -> None:

@@ -1,7 +1,7 @@
 """Flat fragments: a fragment's global copy and outer state as views of one buffer
 each, so that a synchronization steps the fragment as one tensor.
 
-With the global copy in the parameters' own place (:attr:`OuterConfig.same_place`),
+With the global copy in the parameters' own place (``OuterConfig.same_place``),
 an elementwise outer optimizer (:attr:`~puredist.Optimizer.elementwise`) and a
 fragment of one device and dtype whose leaves are small (host-bound: see
 :data:`_FLAT_MAX_LEAF_BYTES`), :func:`flat_init` lays the fragment's global copy
@@ -15,7 +15,7 @@ pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), a
 tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
 of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
 (:func:`flat_zeros`), and the fragment is compressed and averaged as one tensor
-(:func:`puredist.compression.compressed_mean_flat_`). Elementwise, the results are
+(``puredist.compression.compressed_mean_flat_``). Elementwise, the results are
 those of the per-leaf path, bit for bit in fp32 and fp64 with torch's for-loop and
 multi-tensor kernels; in 16-bit dtypes on a CPU, and with the fused kernels (``fused=True``)
 in any, they may differ in the last bit (those kernels round the vectorized body of a

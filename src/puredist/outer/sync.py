@@ -10,7 +10,7 @@ only averages: ``g - mean(g - l) = mean(l)``) and writes ``local <- global_new``
 the all-reduce ran is kept).
 
 Where the global copy is the parameters' own device and dtype and is sent as it is
-(:attr:`~puredist.outer.config.OuterConfig.same_place`), pseudo-gradients and
+(``OuterConfig.same_place``), pseudo-gradients and
 write-backs are multi-tensor kernels over the whole fragment; where it is on their
 device in another dtype or sent in another, likewise with conversions through one
 flat buffer (:mod:`puredist.outer.converted`); otherwise (a host global copy, mixed

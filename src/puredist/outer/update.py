@@ -186,9 +186,11 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
     """
     if config.delay or config.compressor is not None or state.in_flight:
         raise NotImplementedError(
-            f"{config}: under torch.func transforms the outer update runs synchronous, uncompressed "
-            "synchronizations only (delay=0, no compressor): a delayed one is carried in the state by handles "
-            "and snapshots that no transform can map, a compressor's payloads are not differentiable."
+            config.explain(
+                "Under torch.func transforms the outer update runs synchronous, uncompressed synchronizations "
+                "only (delay=0, no compressor): a delayed one is carried in the state by handles and snapshots "
+                "that no transform can map, a compressor's payloads are not differentiable."
+            )
         )
     leaves, spec, fragments = _checked_inputs(config, params, state, collective, traced=True)
     global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)

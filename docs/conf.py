@@ -1,0 +1,156 @@
+"""Sphinx configuration of puredist's documentation: the guides (Markdown, MyST) and the
+API reference (autodoc + napoleon, from the docstrings). ``make docs`` builds it offline,
+nitpicky and with warnings as errors, so a cross-reference to a puredist name that does
+not exist fails the build."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+project = "puredist"
+author = "the puredist authors"
+copyright = "the puredist authors, BSD-3-Clause"
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+html_theme = "alabaster"
+html_static_path = []
+
+myst_heading_anchors = 3
+suppress_warnings = ["myst.header"]
+
+autodoc_default_options = {"members": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_preserve_defaults = True
+autodoc_inherit_docstrings = False  # torch's own docstrings (autograd.Function's) refer to torch's docs
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # a NamedTuple's Attributes: a field list, not a second description of each field
+napoleon_use_rtype = False
+
+# Every reference must resolve; names outside puredist (torch, optree, the standard
+# library) are not documented here, so they are the only ones let through.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(dist|nn|DeviceMesh)(\..*)?|.*\[.*"),
+    (r"py:.*", r"(argparse|torch|optree|hypothesis|torchft|typing|collections|enum|abc|dataclasses|functools|concurrent|datetime|pathlib)(\..*)?"),
+    (r"py:.*", r"(int|float|str|bool|bytes|object|list|dict|tuple|set|frozenset|type|None|Ellipsis|NoneType|Exception|BaseException|"
+               r"RuntimeError|ValueError|TypeError|NotImplementedError|TimeoutError|KeyError|IndexError|callable|optional|"
+               r"Callable|Sequence|Mapping|Iterable|Iterator|Any|NamedTuple|Protocol|T|S|Tree|Tensor|PyTree|Module)"),
+]
+
+# Each public name is documented once, where users import it from: the names
+# ``puredist`` re-exports on its own page, the others under their module. A reference
+# through another module that exports the same object (``puredist.collectives.
+# DistributedCollective``, a class's defining module) resolves to that one entry.
+import importlib  # noqa: E402
+import re  # noqa: E402
+
+import puredist  # noqa: E402
+
+# The public modules, in the order of the API reference: a name's entry is in the first
+# of them that exports it (``__all__``); the internals document only what is their own.
+PUBLIC = ["puredist", "puredist.averaging", "puredist.collectives", "puredist.replicas", "puredist.compression",
+          "puredist.optim", "puredist.outer", "puredist.schedules", "puredist.sharding", "puredist.zero_sharded",
+          "puredist.tree", "puredist.testing", "puredist.ft", "puredist.classic"]
+
+
+def _homes() -> dict[int, str]:
+    """``{id(object): its public module}`` for the classes and functions (a constant is
+    documented where its docstring is, its defining module; a module is its own page)."""
+    homes: dict[int, str] = {}
+    for module_name in PUBLIC:
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if callable(obj):
+                homes.setdefault(id(obj), module_name)
+    return homes
+
+
+_HOMES = _homes()
+
+
+def _skip_documented_elsewhere(app, what, name, obj, skip, options):
+    """A module's member exported by a public module before it is documented there only."""
+    home = _HOMES.get(id(obj))
+    if what == "module" and home is not None and home != app.env.temp_data.get("autodoc:module"):
+        return True
+    return skip
+
+
+def _imported(path: str):
+    """The object at the dotted ``path`` (a module, then attributes), or None."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        return obj
+    return None
+
+
+def _documented(app, domain) -> dict[int, str]:
+    """``{id(object): documented name}`` over the entries of the reference (built once)."""
+    if not hasattr(app, "_puredist_documented"):
+        app._puredist_documented = {}
+        for name, entry in domain.objects.items():
+            found = None if entry.aliased else _imported(name)
+            if found is not None:
+                app._puredist_documented.setdefault(id(found), name)
+    return app._puredist_documented
+
+
+def _same_object(app, env, node, contnode):
+    """Resolve a reference to puredist's objects through any module that holds them
+    (``puredist.collectives.DistributedCollective``, or ``average_`` written in
+    :mod:`puredist.averaging`'s docstrings) to the entry of the same Python object."""
+    target = node.get("reftarget", "").lstrip("~.")
+    if node.get("refdomain") != "py":
+        return None
+    module, cls = node.get("py:module") or "", node.get("py:class") or ""
+    scopes = [f"{module}.{cls}." if cls else None, f"{module}." if module else None, ""]
+    domain = env.get_domain("py")
+    for scope in filter(lambda s: s is not None, scopes):
+        path = scope + target
+        obj = _imported(path) if path.startswith("puredist.") else None
+        name = _documented(app, domain).get(id(obj)) if obj is not None else None
+        resolved = domain.resolve_any_xref(env, node["refdoc"], app.builder, name, node, contnode) if name else []
+        if resolved:
+            return resolved[0][1]
+    return None
+
+
+_PROSE = ("attribute", "property", "data")
+_ORIGINAL: dict[str, list[str]] = {}
+
+
+_SEVERAL = re.compile(r"^(\s+)([A-Za-z_]\w*(?:, [A-Za-z_]\w*)+):")
+
+
+def _keep_prose(app, what, name, obj, options, lines):
+    """Before napoleon: an attribute's, a property's or a constant's docstring is prose
+    (napoleon would read ``text: more`` on its first line as a type and its text); an
+    entry naming several fields (``a, b: text``) names them without spaces, which a
+    field list would read as a type and a name."""
+    if what in _PROSE:
+        _ORIGINAL[name] = list(lines)
+    lines[:] = [_SEVERAL.sub(lambda m: m.group(1) + m.group(2).replace(", ", ",") + ":", line) for line in lines]
+
+
+def _restore_prose(app, what, name, obj, options, lines):
+    if what in _PROSE and name in _ORIGINAL:
+        lines[:] = _ORIGINAL.pop(name)
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _keep_prose, priority=100)
+    app.connect("autodoc-process-docstring", _restore_prose, priority=900)
+    app.connect("autodoc-skip-member", _skip_documented_elsewhere)
+    app.connect("missing-reference", _same_object)
