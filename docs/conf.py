@@ -47,6 +47,7 @@ nitpick_ignore_regex = [
 # through another module that exports the same object (``puredist.collectives.
 # DistributedCollective``, a class's defining module) resolves to that one entry.
 import importlib  # noqa: E402
+import inspect  # noqa: E402
 import re  # noqa: E402
 
 import puredist  # noqa: E402
@@ -66,7 +67,7 @@ def _homes() -> dict[int, str]:
         module = importlib.import_module(module_name)
         for name in getattr(module, "__all__", ()):
             obj = getattr(module, name)
-            if callable(obj):
+            if inspect.isclass(obj) or inspect.isfunction(obj):
                 homes.setdefault(id(obj), module_name)
     return homes
 

@@ -1,10 +1,10 @@
 """Which of torch's kernels a step runs, and the workarounds around them.
 
-- whether a step is recorded (:func:`traced`: under a ``torch.func`` transform, or
+- whether a step is recorded (:func:`step_recorded`: under a ``torch.func`` transform, or
   ``differentiable`` with autograd on) and then which kernel form it takes;
 - torch's fused and multi-tensor kernels where they run, and where they do not
   (``torch.compile`` tracing, a recorded step);
-- the workarounds for torch 2.13's inductor on the CPU (:func:`sgd_foreach_here`,
+- the workarounds for torch 2.13's inductor on the CPU (:func:`sgd_foreach_choice`,
   :func:`l2_while_compiling`) and the probe of its fused SGD kernel on 16-bit CPU
   tensors (:func:`cpu_fused_sgd_sound`, run once per dtype, off the step path);
 - whether a pure update runs :mod:`puredist.optim._out_of_place`'s twins of the
@@ -56,7 +56,7 @@ def grads_for(fused: bool | None, params: Sequence[torch.Tensor], grads: Sequenc
             for p, g in zip(params, grads)]
 
 
-_STRIDE = torch.Tensor.stride
+_STRIDE = torch.Tensor.stride  # (C-level: no Python frame per tensor)
 
 
 def sgd_foreach_choice(foreach: bool | None, traced: bool) -> bool | None:
@@ -102,13 +102,13 @@ def cpu_fused_sgd_sound(dtype: torch.dtype) -> bool:
 
 
 _OUT_OF_PLACE_DTYPES = frozenset({torch.float32, torch.float64})
-"""Where :mod:`puredist._out_of_place` equals torch's in-place kernels bit for bit: a
+"""Where :mod:`puredist.optim._out_of_place` equals torch's in-place kernels bit for bit: a
 16-bit in-place multiply rounds its scalar to the tensor's dtype first, the
 out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements)."""
 
 
 def steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
-    """Whether a pure update runs :mod:`puredist._out_of_place`'s step: eagerly, where
+    """Whether a pure update runs :mod:`puredist.optim._out_of_place`'s step: eagerly, where
     torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
     gradients for all of them, no hyper-parameter a schedule. (Every pass over the
     leaves is a C-level ``map``: no Python frame per leaf.)"""
