@@ -103,7 +103,27 @@ def test_the_demo_trains_over_shaped_links_and_leaves_no_namespace(tmp_path):
 
 
 @needs_namespaces
-@pytest.mark.parametrize("ending", ["ctrl-c", "killed worker"])
+def test_a_network_that_fails_half_built_is_removed_and_says_which_command_failed(monkeypatch):
+    real, calls = links._ip, []
+
+    def failing(*arguments):
+        calls.append(arguments)
+        if len(calls) == 14:  # the second worker's namespace is made, its veth pair not yet
+            raise links.LinkError("`ip link add` failed: no")
+        real(*arguments)
+
+    monkeypatch.setattr(links, "_ip", failing)
+    network = links.Network(2)
+    with pytest.raises(links.LinkError, match="ip link add"):
+        network.__enter__()
+    prefix = network.hub.removesuffix("-hub")
+    assert any(c[:3] == ("ip", "netns", "add") and c[3] == network.workers[1] for c in calls)  # it got that far
+    assert _namespaces(prefix) == []
+    assert signal.getsignal(signal.SIGTERM) is not links._interrupt  # the handlers it set are put back
+
+
+@needs_namespaces
+@pytest.mark.parametrize("ending", ["ctrl-c", "sigterm", "killed worker"])
 def test_no_namespace_is_left_behind_when_a_run_is_interrupted(ending, tmp_path):
     process = subprocess.Popen(
         [*DEMO, "--world-size", "2", "--steps", "100000", "--algorithms", "ddp", "--link", "100mbit",
@@ -119,13 +139,13 @@ def test_no_namespace_is_left_behind_when_a_run_is_interrupted(ending, tmp_path)
         assert "  ddp" in seen, seen
         prefix = _prefix(seen)
         assert len(_namespaces(prefix)) == 3  # the hub and two workers
-        if ending == "ctrl-c":
-            os.killpg(process.pid, signal.SIGINT)
+        if ending in ("ctrl-c", "sigterm"):
+            os.killpg(process.pid, signal.SIGINT if ending == "ctrl-c" else signal.SIGTERM)
         else:
             pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-w1"], capture_output=True, text=True).stdout
             os.kill(int(pids.split()[0]), signal.SIGKILL)  # the worker training in that namespace
         code = process.wait(timeout=60)
-        assert code == (130 if ending == "ctrl-c" else 1), process.stderr.read()
+        assert code == (1 if ending == "killed worker" else 130), process.stderr.read()
         assert _namespaces(prefix) == []
     finally:
         if process.poll() is None:
