@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
+.PHONY: test test-gpu gpu-check demo bench bench-links bench-gpu install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
@@ -37,6 +37,12 @@ docs: install
 
 demo: install
 	$(PY) -m puredist demo $(ARGS)
+
+# The main job over real links (as root): each worker in its own network namespace, its egress shaped by tbf to
+# 20 and 100 Mbit/s, measured beside the network model (docs/links.md). Installs iproute2 where tc is missing.
+bench-links: install
+	command -v tc >/dev/null || apt-get install -y iproute2
+	$(PY) -m puredist demo --link 20mbit,100mbit --output out/links $(ARGS)
 
 bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_averaging.py

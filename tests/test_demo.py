@@ -101,7 +101,7 @@ def test_the_projection_follows_the_network_model(tiny_run):
     hierarchical = runs["hierarchical"]
     assert [g is not None for g in hierarchical["step_group_sizes"]] == [b > 0 for b in hierarchical["step_bytes"]]
     # the local methods' warm-up (16 steps) and their steps between synchronizations sent nothing: compute is
-    # the median of those steps' durations, so several runs have steps that sent nothing at all
+    # the mean of those steps' durations, so several runs have steps that sent nothing at all
     assert sum(row["step_bytes"].count(0) for row in runs.values()) > 40
     for name, row in runs.items():
         reached = next((e["step"] for e in row["evaluations"] if e["loss"] <= model["target_eval_loss"]), None)

@@ -66,10 +66,12 @@ def test_the_model_is_causal_and_starts_near_a_uniform_guess(task, parameters):
     assert low < sum(p.numel() for p in model.parameters()) < high
 
 
-def test_compute_time_is_the_median_of_the_steps_that_sent_nothing():
+def test_compute_time_is_the_mean_of_the_steps_that_sent_nothing():
     seconds = [[0.5, 0.1, 0.2, 9.0], [0.3]]
     sent = [[10, 0, 0, 0], [0]]
-    assert network.compute_seconds(seconds, sent) == 0.25  # median of 0.1, 0.2, 9.0, 0.3
+    # the mean of 0.1, 0.2, 9.0, 0.3: four such steps last as long as these did, the slow one included
+    assert network.compute_seconds(seconds, sent) == pytest.approx(9.6 / 4)
+    assert 4 * network.compute_seconds(seconds, sent) == pytest.approx(0.1 + 0.2 + 9.0 + 0.3)
     assert network.compute_seconds([[1.0]], [[5]]) is None
     # a step a killed worker never reported is not measured: left out, not a quiet step of no time
     assert network.compute_seconds([[None, 0.2, None, 0.4]], [[0, 0, 0, 0]]) == pytest.approx(0.3)

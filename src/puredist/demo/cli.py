@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+from puredist.demo import links
 from puredist.demo.fault_tolerant import FAULT_TOLERANT
 from puredist.demo.training import ALGORITHMS, TASKS
 
@@ -47,6 +48,13 @@ def _algorithms(text: str) -> list[str]:
             f"unknown algorithm(s) {unknown or [text]}; choose from {', '.join(EVERY_ALGORITHM)}"
         )
     return chosen
+
+
+def _rates(text: str) -> list[links.Rate]:
+    try:
+        return links.parse_rates(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the workers train (default cpu). cuda: NCCL with a GPU per worker when the machine has as many "
              "(bytes are then counted for Gloo's traffic only: the rank checks), else every worker on GPU 0 over Gloo",
     )
+    parser.add_argument(
+        "--link", type=_rates, default=None, metavar="RATE[,RATE...]",
+        help="train once per rate over real links instead of loopback: each worker in its own network namespace on "
+             "one bridge, its egress shaped by tbf to RATE (e.g. 20mbit,100mbit; needs root and iproute2), the "
+             "fault-tolerant algorithms left out; report the measured time beside the network model's projection",
+    )
     return parser
 
 
@@ -122,6 +136,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
     return {
         "task": args.task, "steps": args.steps, "seed": args.seed, "world_size": args.world_size,
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
+        "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
         "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": OUTER_OPTIONS,
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
@@ -151,7 +166,22 @@ def _choose_algorithms(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _launch(args: argparse.Namespace) -> dict:
+def _link_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--link`` cannot run with these options or on this machine, or None."""
+    fault_tolerant = [a for a in args.algorithms if a in FAULT_TOLERANT]
+    if fault_tolerant:
+        return f"--link runs the algorithms torch's launcher starts, not {','.join(fault_tolerant)}"
+    if args.device != "cpu":
+        return f"--link trains on the cpu (Gloo over the links), not --device {args.device}"
+    reason = links.unavailable()
+    return None if reason is None else f"--link {','.join(rate.name for rate in args.link)} {reason}"
+
+
+def _launch(args: argparse.Namespace, host: str | None = None, entrypoint=None, **job_options) -> dict:
+    """Train every algorithm of ``args`` on ``args.world_size`` workers; return per
+    rank per algorithm what it measured. The rendezvous listens on ``host`` (default
+    127.0.0.1), the workers start at ``entrypoint`` (default
+    :func:`puredist.demo.training.worker_main`), whose job carries ``job_options``."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from puredist.demo.training import worker_main
@@ -162,14 +192,17 @@ def _launch(args: argparse.Namespace) -> dict:
         nproc_per_node=args.world_size,
         run_id=f"puredist-demo-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # the launcher's store owns the port before workers start
+        rdzv_endpoint=f"{host or '127.0.0.1'}:0",  # the launcher's store owns the port before workers start
+        local_addr=host,  # where the workers find the store (None: this host's name)
+        rdzv_configs={"is_host": True},  # a single node: this process hosts the store, whatever its address
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
     )
     job = {"task": args.task, "steps": args.steps, "seed": args.seed, "device": args.device, "backend": args.backend,
-           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT]}
-    results = elastic_launch(config, worker_main)(job) if job["algorithms"] else {r: {} for r in range(args.world_size)}
+           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT], **job_options}
+    results = (elastic_launch(config, entrypoint or worker_main)(job) if job["algorithms"]
+               else {r: {} for r in range(args.world_size)})
     for algorithm in args.algorithms:
         if algorithm in FAULT_TOLERANT:
             from puredist.demo import fault_tolerant
@@ -251,13 +284,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.backend = "cpu:gloo,cuda:nccl" if gpus >= args.world_size else "gloo"
         where = (f"{args.world_size} of {gpus} {torch.cuda.get_device_name(0)} GPUs (NCCL)" if gpus >= args.world_size
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
-    problem = _choose_algorithms(args)
+    if args.link and args.algorithms is None:
+        args.algorithms = list(ALGORITHMS)
+    problem = _choose_algorithms(args) or (_link_problem(args) if args.link else None)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.link:
+        where = f"links of {', '.join(rate.name for rate in args.link)} (Gloo, one network namespace each)"
     print(f"puredist demo: {task.title}; {args.world_size} workers on {where}, {args.steps} steps per algorithm")
     started = time.perf_counter()
     try:
+        if args.link:
+            return _report_links(args, links.measure(args, _launch, _run_config(args, task)), started)
         results = _launch(args)
     except (KeyboardInterrupt, SignalException):
         print("\ninterrupted: every worker was stopped", file=sys.stderr)
@@ -265,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as error:
         print(f"\nerror: a worker failed:\n{error.format_msg()}", file=sys.stderr)
         return 1
-    except (RuntimeError, TimeoutError) as error:  # a fault-tolerant run's worker failed, or the run hung
+    except (RuntimeError, TimeoutError) as error:  # a fault-tolerant run's worker failed, the run hung, a link failed
         print(f"\nerror: {error}", file=sys.stderr)
         return 1
     summary = summarize(results, task.name, task.title, _run_config(args, task))
@@ -280,4 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(summary, args.output / "demo.png")
     print(f"\nwrote {args.output / 'demo.png'} and {args.output / 'results.json'} "
           f"({time.perf_counter() - started:.0f} s in all)")
+    return 0
+
+
+def _report_links(args: argparse.Namespace, measured: dict, started: float) -> int:
+    print()
+    print(links.links_table(measured))
+    (args.output / "results.json").write_text(json.dumps(measured, indent=1))
+    print(f"\nwrote {args.output / 'results.json'} ({time.perf_counter() - started:.0f} s in all)")
     return 0

@@ -376,6 +376,6 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for result in results.values():
         result["faults"] = faults
         result["losses"] = [loss for loss in result["losses"] if loss is not None]
-        # (a step the killed worker never reported stays unmeasured, None: no duration, out of the compute median)
+        # (a step the killed worker never reported stays unmeasured, None: no duration, out of the compute mean)
         result["step_bytes"] = [b or 0 for b in result["step_bytes"]]
     return results

@@ -3,9 +3,10 @@ real link, projected from what the demo measured.
 
 Measured (on this machine's loopback, which is not a network worth modelling): the
 bytes each worker sent at each step, the held-out loss of the averaged model at each
-evaluation, and the compute time of a step — the median duration of the steps that
+evaluation, and the compute time of a step — the mean duration of the steps that
 sent nothing (the local steps of the local methods; every algorithm runs the same
-model, batch and inner optimizer, so they share it). Projected, for a link of
+model, batch and inner optimizer, so they share it; the mean, because a run lasts the
+sum of its steps, slow ones included). Projected, for a link of
 bandwidth ``B`` bytes/s and per-message latency ``L``:
 
     time(k) = k * compute + sum over the steps j <= k that sent bytes of
@@ -52,13 +53,19 @@ LINKS = (
 
 
 def compute_seconds(step_seconds: Sequence[Sequence[float]], step_bytes: Sequence[Sequence[int]]) -> float | None:
-    """The median duration of the steps that sent no byte, over all runs given
+    """The mean duration of the steps that sent no byte, over all runs given
     (``step_seconds[r][k]`` and ``step_bytes[r][k]`` of run ``r``'s step ``k``; a
     duration of None: not measured, left out, e.g. the steps a killed worker never
-    reported); None when every step measured sent something."""
+    reported); None when every step measured sent something.
+
+    The mean, not the median: ``k`` steps last ``k`` times the mean. Where workers share
+    cores, the scheduler makes a few steps several times slower than most (digits, 4
+    workers on 2 shared cores: a median of 1.2 ms, a mean of 2.7 to 3.7 ms), and the
+    median, blind to them, made a projection over a shaped 20 Mbit/s link 1.4x (DDP) to
+    3.4x (DiLoCo) shorter than the time measured there (``demo --link``, docs/links.md)."""
     quiet = [seconds for run_s, run_b in zip(step_seconds, step_bytes)
              for seconds, sent in zip(run_s, run_b) if sent == 0 and seconds is not None]
-    return statistics.median(quiet) if quiet else None
+    return statistics.fmean(quiet) if quiet else None
 
 
 def steps_to_reach(evaluations: Sequence[tuple[int, float]], target: float) -> int | None:

@@ -167,7 +167,9 @@ def _setups(task: Task, world_size: int, collective) -> dict[str, Callable]:
 
 
 def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Train one run on this rank; return its curves, per-step measurements and totals."""
+    """Train one run on this rank; return its curves, per-step measurements and totals
+    (``training_s``: at each evaluation, the seconds since the start less those spent
+    evaluating)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if config.get("device") == "cuda" else torch.device("cpu")
     shard, test = task.load(config["seed"], rank, world_size)
@@ -179,7 +181,8 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
     )
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
     steps, eval_every = config["steps"], max(1, config["steps"] // 15)
-    losses, evaluations, step_seconds, step_bytes = [], [], [], []
+    losses, evaluations, step_seconds, step_bytes, training_s = [], [], [], [], []
+    evaluating_s = 0.0  # time spent evaluating: not training
     mark = bytes_written()
     dist.barrier()
     barrier_bytes = bytes_written() - mark  # what a barrier itself writes: not the algorithm's
@@ -198,6 +201,8 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
             step_bytes.append(max(0, now - mark - (barrier_bytes if evaluating else 0)))
             mark = now
             if evaluating:
+                evaluation_started = time.perf_counter()
+                training_s.append(evaluation_started - started - evaluating_s)
                 # evaluate the averaged model; puredist.average is pure: training is undisturbed
                 averaged = puredist.average(
                     {n: t.detach() for n, t in current_params().items()}, collective=collective
@@ -206,9 +211,11 @@ def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
                 evaluations.append((k, accuracy, loss, sum(step_bytes)))
                 bar.set_postfix_str(f"held-out loss {loss:.3f}", refresh=False)
                 mark = bytes_written()
+                evaluating_s += time.perf_counter() - evaluation_started
             bar.update()
     wall = time.perf_counter() - started
     result = {"losses": losses, "evaluations": evaluations, "bytes_sent": sum(step_bytes), "wall_s": wall,
+              "training_s": training_s,
               "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(optimizer_state())}
     if algorithm == "hierarchical":  # for the network model: a pair step's all-reduce spans 2 workers, not all
         result["step_group_sizes"] = hierarchical_group_sizes(hierarchy_for(world_size, task.period), task.warmup_steps,

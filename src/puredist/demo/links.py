@@ -1,0 +1,315 @@
+"""``python -m puredist demo --link RATE[,RATE...]``: the main job over real,
+rate-limited links, measured beside the network model's projection.
+
+For each rate, every worker runs in its own Linux network namespace, joined to the
+others by a veth pair to one bridge, and the egress of its end is shaped by the
+``tbf`` (token bucket) queueing discipline to that rate; the bridge lives in a hub
+namespace, where the launcher's rendezvous store listens on the bridge's address.
+Nothing here touches the host's own network: the addresses (:data:`SUBNET`) exist
+only inside these namespaces, named with a prefix unique to the run
+(``puredist-<pid>-<random>``), so that runs side by side never meet.
+
+:class:`Network` builds them and removes them on every way out of its ``with``
+block: a normal end, an exception, Ctrl-C, SIGTERM or SIGHUP (which it turns into
+``KeyboardInterrupt`` while inside), a worker killed (the launcher then stops the
+others and raises). A SIGKILL of the launcher itself leaves them: ``ip netns list``
+shows them by their prefix.
+
+The comparison (:func:`compare`): per algorithm, the measured training time (the
+slowest worker's wall time with the evaluations left out, which average over the
+same link) of the whole run and up to the evaluation that first reached the first
+algorithm's final held-out loss, beside :func:`puredist.demo.network.projected_seconds`
+for a link of that rate and zero latency, from the same run's bytes and compute time.
+
+This module must not train: it places the workers and compares what they measured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, NamedTuple
+
+from puredist.demo import network
+
+SUBNET = "10.77.0"
+"""The bridge is ``.1``, worker ``i`` is ``.(i + 2)``, on a /24 inside the run's namespaces only."""
+INTERFACE = "eth0"
+"""Each worker's end of its veth pair, inside its namespace (Gloo binds to it)."""
+FRAME_BYTES = 1514
+"""A full Ethernet frame at the veth's 1500-byte MTU: what ``tbf`` counts a packet as."""
+CLONE_NEWNET = 0x40000000
+
+
+class Rate(NamedTuple):
+    """A link rate as given on the command line (``20mbit``) and in bits per second."""
+
+    name: str
+    bits_per_second: float
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)([kmg]?)bit", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rates(text: str) -> list[Rate]:
+    """``20mbit,100mbit`` -> the rates, each once, in the order given (``kbit``,
+    ``mbit``, ``gbit``: powers of 1000, as ``tc`` reads them); ValueError naming the
+    value otherwise."""
+    rates = []
+    for name in dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()):
+        match = _RATE.fullmatch(name)
+        if match is None or float(match[1]) * _UNITS[match[2].lower()] < 8 * FRAME_BYTES:
+            raise ValueError(f"expected rates like 20mbit,100mbit (kbit, mbit, gbit; at least {8 * FRAME_BYTES}bit), "
+                             f"got {name!r}")
+        rates.append(Rate(name, float(match[1]) * _UNITS[match[2].lower()]))
+    if not rates:
+        raise ValueError(f"expected rates like 20mbit,100mbit, got {text!r}")
+    return rates
+
+
+class LinkError(RuntimeError):
+    """A command that builds the links failed: the message says which and why."""
+
+
+def _ip(*arguments: str) -> None:
+    done = subprocess.run(arguments, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LinkError(f"`{' '.join(arguments)}` failed: {(done.stderr or done.stdout).strip()}")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot build the links (root, iproute2's ``ip`` and ``tc``,
+    network namespaces, ``tbf``), in one line; None if it can (a namespace with a
+    ``tbf`` is made and removed to find out)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs iproute2 ({' and '.join(missing)} not found): apt-get install iproute2"
+    probe = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}-probe"
+    try:
+        _ip("ip", "netns", "add", probe)
+        _ip("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit", "burst", "1600",
+            "limit", "65536")
+    except LinkError as error:
+        return str(error)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    """Move the calling thread (and the threads and processes it starts) into the
+    network namespace ``fd`` refers to."""
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns: {os.strerror(error)}")
+
+
+def enter(name: str) -> None:
+    """Move the calling thread into the network namespace ``name`` for good."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        _setns(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def inside(name: str):
+    """The calling thread in network namespace ``name`` for the ``with`` block, then
+    back where it was."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter(name)
+        try:
+            yield
+        finally:
+            _setns(home)
+    finally:
+        os.close(home)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Network:
+    """``world_size`` worker namespaces on one bridge in a hub namespace, for a
+    ``with`` block (see the module's docstring); :meth:`shape` sets the rate.
+
+    Attributes:
+        hub: the hub namespace's name (the bridge, the rendezvous).
+        workers: worker ``i``'s namespace's name at index ``i``.
+        address: the bridge's address, where the rendezvous listens.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.hub = f"{prefix}-hub"
+        self.workers = [f"{prefix}-w{i}" for i in range(world_size)]
+        self.address = f"{SUBNET}.1"
+        self._made: list[str] = []
+        self._handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> "Network":
+        self._handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *_) -> None:
+        try:
+            for name in reversed(self._made):  # a namespace takes its veth ends (and their peers) and bridge with it
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            self._made.clear()
+        finally:
+            for signum, handler in self._handlers.items():
+                signal.signal(signum, handler)
+
+    def _add(self, name: str) -> None:
+        _ip("ip", "netns", "add", name)
+        self._made.append(name)
+        _ip("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        self._add(self.hub)
+        _ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("ip", "-n", self.hub, "addr", "add", f"{self.address}/24", "dev", "br0")
+        _ip("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for index, name in enumerate(self.workers):
+            self._add(name)
+            port = f"w{index}"
+            _ip("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", name)
+            _ip("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+            _ip("ip", "-n", name, "addr", "add", f"{SUBNET}.{index + 2}/24", "dev", INTERFACE)
+            _ip("ip", "-n", name, "link", "set", INTERFACE, "up")
+
+    def shape(self, rate: Rate) -> None:
+        """Shape every worker's egress to ``rate``: a token bucket of one full frame
+        (no burst above the rate: a link serializes every frame) and a queue of at
+        least 0.1 s at the rate."""
+        limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
+        for name in self.workers:
+            _ip("tc", "-n", name, "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate",
+                f"{int(rate.bits_per_second)}bit", "burst", str(FRAME_BYTES), "limit", str(limit))
+
+
+def worker_main(config: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of each worker with ``--link``: enter this worker's namespace
+    (``config["namespaces"][LOCAL_RANK]``), bind Gloo to its end of the link, train
+    (:func:`puredist.demo.training.worker_main`)."""
+    from puredist.demo.training import worker_main as train
+
+    enter(config["namespaces"][int(os.environ["LOCAL_RANK"])])
+    os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
+    return train(config)
+
+
+def compare(results: dict[int, dict[str, Any]], summary: dict[str, Any], rate: Rate) -> dict[str, dict[str, Any]]:
+    """Per algorithm, measured beside projected at ``rate`` (zero latency):
+    ``eval_loss``; ``measured_s`` and ``projected_s`` of the whole run and ``ratio``
+    (measured / projected); ``steps_to_target`` (the first evaluation at or below the
+    first algorithm's final held-out loss, None if none), ``measured_to_target_s``,
+    ``projected_to_target_s`` and ``ratio_to_target`` there. ``results`` are the
+    workers' (``training_s``: each's training time at each evaluation), ``summary``
+    :func:`puredist.demo.report.summarize`'s of them; a projection is None where the
+    compute time is unknown (no step sent nothing)."""
+    link = network.Link(rate.name, rate.bits_per_second / 8, 0.0)
+    compute = summary["network_model"]["compute_s_per_step"]
+    world_size = summary["world_size"]
+    compared = {}
+    for algorithm, row in summary["algorithms"].items():
+        clock = [max(times) for times in zip(*(results[rank][algorithm]["training_s"] for rank in sorted(results)))]
+        steps = [evaluation["step"] for evaluation in row["evaluations"]]
+        reached = row["steps_to_target"]
+
+        def project(k: int | None) -> float | None:
+            return None if compute is None or k is None else network.projected_seconds(
+                row["step_bytes"], k, compute, link, world_size, row["step_group_sizes"])
+
+        measured, projected = clock[-1], project(len(row["step_bytes"]))
+        to_target = None if reached is None else clock[steps.index(reached)]
+        projected_to_target = project(reached)
+        compared[algorithm] = {
+            "eval_loss": row["eval_loss"], "measured_s": measured, "projected_s": projected,
+            "ratio": None if projected is None else measured / projected,
+            "steps_to_target": reached, "measured_to_target_s": to_target, "projected_to_target_s": projected_to_target,
+            "ratio_to_target": None if to_target is None or projected_to_target is None else to_target / projected_to_target,
+        }
+    return compared
+
+
+def measure(args, launch: Callable[..., dict], config: dict[str, Any]) -> dict[str, Any]:
+    """Run the job once per rate of ``args.link`` (``launch(args, host=...,
+    entrypoint=..., namespaces=...)`` starts the workers and returns their results),
+    printing each rate's measured table; return what ``results.json`` holds: per rate
+    the comparison (``"links"``, :func:`compare`) and the full summary (``"runs"``)."""
+    from puredist.demo.report import summarize, table
+    from puredist.demo.training import TASKS
+
+    task = TASKS[args.task]
+    links, runs = {}, {}
+    with Network(args.world_size) as net:
+        print(f"  network namespaces {net.workers[0]}..{net.workers[-1].rsplit('-', 1)[1]}, bridge {net.address} "
+              f"in {net.hub}", flush=True)
+        for rate in args.link:
+            net.shape(rate)
+            print(f"link {rate.name} (each worker's egress):", flush=True)
+            with inside(net.hub):
+                results = launch(args, host=net.address, entrypoint=worker_main, namespaces=net.workers)
+            runs[rate.name] = summarize(results, task.name, task.title, config)
+            links[rate.name] = compare(results, runs[rate.name], rate)
+            print(table(runs[rate.name]), flush=True)
+    return {"config": config, "task": task.name, "title": task.title, "world_size": args.world_size,
+            "links": links, "runs": runs}
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def links_table(result: dict[str, Any]) -> str:
+    """Measured beside projected, per rate and algorithm, and per rate the algorithms
+    in the order of their measured time to the target loss."""
+    first_run = next(iter(result["runs"].values()))
+    target_from = first_run["network_model"]["target_from"]
+    lines = [
+        "MEASURED over real links (each worker's egress shaped by tbf; training time, evaluations left out) "
+        "beside PROJECTED (network model, zero latency):",
+        f"{'rate':>8s} {'algorithm':14s} {'loss':>6s} | {'whole run':>9s} {'projected':>9s} {'ratio':>6s} | "
+        f"to {target_from}'s final loss: {'step':>4s} {'measured':>9s} {'projected':>9s} {'ratio':>6s}",
+    ]
+    for rate, rows in result["links"].items():
+        for algorithm, row in rows.items():
+            step = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
+            lines.append(
+                f"{rate:>8s} {algorithm:14s} {row['eval_loss']:6.3f} | {_seconds(row['measured_s']):>9s} "
+                f"{_seconds(row['projected_s']):>9s} {_ratio(row['ratio']):>6s} | {'':{len(target_from) + 15}s} "
+                f"{step:>4s} {_seconds(row['measured_to_target_s']):>9s} {_seconds(row['projected_to_target_s']):>9s} "
+                f"{_ratio(row['ratio_to_target']):>6s}"
+            )
+    for rate, rows in result["links"].items():
+        reached = sorted((row["measured_to_target_s"], name) for name, row in rows.items()
+                         if row["measured_to_target_s"] is not None)
+        missed = [name for name, row in rows.items() if row["measured_to_target_s"] is None]
+        lines.append(f"{rate}: by measured time to {target_from}'s final loss: " + " < ".join(n for _, n in reached)
+                     + (f" (not reached: {', '.join(missed)})" if missed else ""))
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""``python -m puredist demo --link``: workers in network namespaces on rate-limited
+links; nothing is left behind however the run ends."""
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from puredist.demo import cli, links, network
+
+DEMO = [sys.executable, "-m", "puredist", "demo"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+UNAVAILABLE = links.unavailable()
+needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"--link {UNAVAILABLE}")
+
+
+def _namespaces(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+
+
+def _prefix(banner: str) -> str:
+    """The run's namespace prefix, from the line the demo prints when it has made them."""
+    return re.search(r"network namespaces (puredist-\d+-[0-9a-f]+)-w0", banner)[1]
+
+
+def test_rates_are_read_as_tc_reads_them():
+    assert links.parse_rates("20mbit,100Mbit,20mbit,1.5gbit,500kbit") == [
+        links.Rate("20mbit", 20e6), links.Rate("100mbit", 100e6), links.Rate("1.5gbit", 1.5e9),
+        links.Rate("500kbit", 500e3)]
+    for bad in ("20mbps", "fast", "", "10bit", "mbit"):
+        with pytest.raises(ValueError, match="expected rates like 20mbit"):
+            links.parse_rates(bad)
+
+
+def test_a_bad_rate_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--link", "20mbps"])
+    assert exited.value.code == 2 and "--link: expected rates like 20mbit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--algorithms", "ddp,diloco_ft"], "--link runs the algorithms torch's launcher starts, not diloco_ft"),
+    (["--device", "cuda"], None),  # refused for the device (no GPU here) or for --link: either way before a start
+])
+def test_link_options_that_cannot_run_are_refused_before_anything_starts(options, message, tmp_path, capsys):
+    assert cli.main(["--link", "20mbit", *options, "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert message is None or message in err
+
+
+def test_without_what_links_need_one_line_says_what_is_missing_and_nothing_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(links, "unavailable", lambda: "needs iproute2 (tc not found): apt-get install iproute2")
+    monkeypatch.setattr(links.Network, "__enter__", lambda self: pytest.fail("a network was built"))
+    assert cli.main(["--link", "20mbit", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --link 20mbit needs iproute2 (tc not found): apt-get install iproute2"
+
+
+def test_the_comparison_is_the_slowest_workers_training_time_beside_the_zero_latency_projection():
+    step_bytes = [0, 0, 1000, 0, 3000, 0]
+    run = {"eval_loss": 0.5, "steps_to_target": 4, "step_bytes": step_bytes, "step_group_sizes": None,
+           "evaluations": [{"step": 2}, {"step": 4}, {"step": 6}]}
+    summary = {"world_size": 2, "algorithms": {"ddp": run},
+               "network_model": {"compute_s_per_step": 0.01, "target_eval_loss": 0.5}}
+    results = {0: {"ddp": {"training_s": [0.1, 0.3, 0.5]}}, 1: {"ddp": {"training_s": [0.2, 0.25, 0.6]}}}
+    row = links.compare(results, summary, links.Rate("8kbit", 8000.0))["ddp"]
+    # 8 kbit/s = 1000 bytes/s, no latency: 6 steps of 10 ms and 4000 bytes; 4 steps and 1000 bytes to the target
+    assert row["projected_s"] == pytest.approx(6 * 0.01 + 4.0) and row["measured_s"] == 0.6
+    assert row["projected_to_target_s"] == pytest.approx(4 * 0.01 + 1.0) and row["measured_to_target_s"] == 0.3
+    assert row["ratio"] == pytest.approx(0.6 / 4.06) and row["ratio_to_target"] == pytest.approx(0.3 / 1.04)
+    assert row["projected_s"] == network.projected_seconds(step_bytes, 6, 0.01, network.Link("8kbit", 1000.0, 0.0), 2)
+    run["steps_to_target"] = None
+    row = links.compare(results, summary, links.Rate("8kbit", 8000.0))["ddp"]
+    assert row["measured_to_target_s"] is row["projected_to_target_s"] is row["ratio_to_target"] is None
+
+
+@needs_namespaces
+def test_the_demo_trains_over_shaped_links_and_leaves_no_namespace(tmp_path):
+    done = subprocess.run([*DEMO, "--world-size", "2", "--steps", "24", "--algorithms", "ddp,diloco", "--link",
+                           "20mbit", "--output", str(tmp_path)], capture_output=True, text=True, timeout=240, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert _namespaces(_prefix(done.stdout)) == []
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert list(result["links"]) == ["20mbit"] and list(result["links"]["20mbit"]) == ["ddp", "diloco"]
+    assert result["config"]["link"] == ["20mbit"]
+    runs = result["runs"]["20mbit"]["algorithms"]
+    for algorithm, row in result["links"]["20mbit"].items():
+        assert row["eval_loss"] == runs[algorithm]["eval_loss"] < 2.3  # below a uniform guess's ln 10
+        assert row["projected_s"] > 0 and row["ratio"] == pytest.approx(row["measured_s"] / row["projected_s"])
+    # the link is shaped: no worker sent its bytes faster than 20 Mbit/s (on loopback DDP's 24 steps take ~50 ms)
+    ddp = result["links"]["20mbit"]["ddp"]
+    assert ddp["measured_s"] >= runs["ddp"]["bytes_per_worker_max"] / (20e6 / 8)
+    assert ddp["steps_to_target"] == 24 and ddp["measured_to_target_s"] == ddp["measured_s"]
+    assert "MEASURED over real links" in done.stdout and "20mbit: by measured time to ddp's final loss: " in done.stdout
+
+
+@needs_namespaces
+def test_a_network_that_fails_half_built_is_removed_and_says_which_command_failed(monkeypatch):
+    real, calls = links._ip, []
+
+    def failing(*arguments):
+        calls.append(arguments)
+        if len(calls) == 14:  # the second worker's namespace is made, its veth pair not yet
+            raise links.LinkError("`ip link add` failed: no")
+        real(*arguments)
+
+    monkeypatch.setattr(links, "_ip", failing)
+    network = links.Network(2)
+    with pytest.raises(links.LinkError, match="ip link add"):
+        network.__enter__()
+    prefix = network.hub.removesuffix("-hub")
+    assert any(c[:3] == ("ip", "netns", "add") and c[3] == network.workers[1] for c in calls)  # it got that far
+    assert _namespaces(prefix) == []
+    assert signal.getsignal(signal.SIGTERM) is not links._interrupt  # the handlers it set are put back
+
+
+@needs_namespaces
+@pytest.mark.parametrize("ending", ["ctrl-c", "sigterm", "killed worker"])
+def test_no_namespace_is_left_behind_when_a_run_is_interrupted(ending, tmp_path):
+    process = subprocess.Popen(
+        [*DEMO, "--world-size", "2", "--steps", "100000", "--algorithms", "ddp", "--link", "100mbit",
+         "--output", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
+    )
+    try:
+        seen = ""  # the banner, the namespaces, then ddp's progress bar
+        deadline = time.monotonic() + 90
+        while "  ddp" not in seen and time.monotonic() < deadline:
+            if select.select([process.stdout], [], [], 1.0)[0]:
+                seen += os.read(process.stdout.fileno(), 4096).decode()
+        assert "  ddp" in seen, seen
+        prefix = _prefix(seen)
+        assert len(_namespaces(prefix)) == 3  # the hub and two workers
+        if ending in ("ctrl-c", "sigterm"):
+            os.killpg(process.pid, signal.SIGINT if ending == "ctrl-c" else signal.SIGTERM)
+        else:
+            pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-w1"], capture_output=True, text=True).stdout
+            os.kill(int(pids.split()[0]), signal.SIGKILL)  # the worker training in that namespace
+        code = process.wait(timeout=60)
+        assert code == (1 if ending == "killed worker" else 130), process.stderr.read()
+        assert _namespaces(prefix) == []
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
