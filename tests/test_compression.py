@@ -96,6 +96,50 @@ def test_finite_values_near_fp32s_largest_average_to_a_finite_mean_and_the_next_
     assert torch.isfinite(mean).all() and torch.isfinite(state.residuals[0]).all()
 
 
+@pytest.mark.parametrize("replicas", [3, 5, 7])
+@pytest.mark.parametrize("codec", [int8_blocks(4), int4_blocks(4), top_k(0.25), top_k(1.0)],
+                         ids=["int8", "int4", "topk0.25", "topk1"])
+def test_values_near_fp32s_largest_leave_finite_residuals_that_carry_what_was_not_sent(codec, replicas):
+    # the owner's residual is W times what phase 2 lost: top-k dropping a mean entry above FLT_MAX / W made it inf
+    # (at 5 replicas, top_k(0.25): the mean 0 where the true mean was 2.9e38, and every later step refused)
+    big = torch.finfo(torch.float32).max
+    gen = torch.Generator().manual_seed(2)
+    x = big * (0.5 + 0.5 * torch.rand(replicas, 24, generator=gen)) * torch.randn(replicas, 24, generator=gen).sign()
+    averager = compressed_averager(codec)
+    collective = SimulatedCollective(replicas)
+    mean, state = averager.update(x, averager.init(x), collective=collective)
+    left = state.residuals[0].double()
+    assert torch.isfinite(mean).all() and torch.isfinite(left).all(), (mean, left)
+    assert torch.equal(mean, mean[:1].expand_as(mean))
+    # the oracle, in fp64: what was sent plus the residuals' mean is the true mean (error feedback's identity),
+    # wherever no residual saturated at FLT_MAX (there the excess is lost, the residual holds fp32's largest)
+    true = x.double().mean(0)
+    carried = mean[0].double() + left.mean(0)
+    saturated = left.abs() == big
+    exact = ~saturated.any(0)
+    assert ((carried - true).abs()[exact] <= 1e-6 * big).all(), (carried - true)[exact]
+    # a saturated residual keeps less than W times the loss, of the same sign: the true mean lies beyond
+    assert (((true - carried) * left.sign())[saturated] >= -1e-6 * big).all()
+    assert saturated.any() == (codec.name == "top_k(0.25)")  # (where fp32 overflowed before)
+    if codec.name == "top_k(1.0)":  # nothing dropped: the mean itself, rounded once
+        assert torch.equal(mean[0], true.float()) and not left.any()
+    mean, state = averager.update(torch.zeros(replicas, 24), state, collective=collective)  # the residuals flow out
+    assert torch.isfinite(mean).all() and torch.isfinite(state.residuals[0]).all()
+
+
+def test_a_state_gone_non_finite_is_refused_with_what_to_do():
+    averager = compressed_averager(int8_blocks(4))
+    x = torch.ones(2, 6)
+    state = averager.init(x)
+    state = state._replace(residuals=(state.residuals[0].index_fill(1, torch.tensor([2]), float("inf")),))
+    with pytest.raises(ValueError, match=r"leaf 0 \(its residual\).*reset the residuals.*or reload a checkpoint"):
+        averager.update(x, state, collective=SimulatedCollective(2))
+    x[1, 0] = float("nan")  # the params alone: skipping the step is the remedy, and no residual is named
+    with pytest.raises(ValueError, match=r"inf or NaN in leaf 0\).*skip this step") as error:
+        averager.update(x, averager.init(x), collective=SimulatedCollective(2))
+    assert "(its residual)" not in str(error.value)
+
+
 @pytest.mark.parametrize("codec, bound", [(int8_blocks(32), 0.02), (int4_blocks(32), 0.2), (top_k(0.05), 0.05)],
                          ids=["int8", "int4", "topk"])
 def test_one_compressed_mean_is_near_the_true_mean(codec, bound):

@@ -1,9 +1,11 @@
 """Fault-tolerant DiLoCo over torchft, with a real lighthouse and replica groups as
 processes (``tests/ft_replica.py``): the synchronizations against a one-process
 simulation, a slow replica, replicas killed between and inside synchronizations,
-and a restarted replica healing to its peer's state bit for bit; and, over a stand-in
-manager that records failures as torchft does, where a failed quorum or vote is said to
-have failed."""
+and a restarted replica healing to its peer's state bit for bit; and, over stand-in
+managers that record failures as torchft does (paired by threads where two replicas
+reduce), where a failed quorum or vote is said to have failed, that the next quorum
+after a failed one averages, that a heal's replay contributes zeros and receives its
+peers' mean, and that a healed compressed replica starts with zero residuals."""
 
 from __future__ import annotations
 
@@ -539,21 +541,19 @@ class _PairedManager(_RecordingManager):
         return super().allreduce(tensor, reduce_op)
 
 
-@pytest.mark.parametrize("histories", [(8, 8), (11, 10)])
-def test_replicas_with_different_committed_histories_all_refuse(histories):
-    # torchft's vote is per replica group: where some replicas committed a step and others redid it without them,
-    # both are at the same step with different tensors; their next common reduction must refuse, not average
+def _paired_replicas(make, calls) -> list:
+    """``calls[i](make(barrier, slots, i))`` for two paired stand-in managers (see
+    :class:`_PairedManager`), each in a thread of its own: each one's result, or the
+    error it raised."""
     import threading
 
     barrier, slots, outcomes = threading.Barrier(2, timeout=30), [None, None], [None, None]
+    managers = [make(barrier, slots, i) for i in range(2)]
 
     def replica(index: int) -> None:
-        tensor = torch.full((4,), float(index))
-        manager = _PairedManager(barrier, slots, index, histories[index])
         try:
-            ManagerCollective(manager).mean_([tensor], context="the same")
-            outcomes[index] = tensor
-        except puredist.RankMismatchError as error:
+            outcomes[index] = calls[index](managers[index])
+        except Exception as error:  # noqa: BLE001 - the outcome under test
             outcomes[index] = error
 
     threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
@@ -561,8 +561,139 @@ def test_replicas_with_different_committed_histories_all_refuse(histories):
         thread.start()
     for thread in threads:
         thread.join(60)
+    return outcomes
+
+
+@pytest.mark.parametrize("histories", [(8, 8), (11, 10)])
+def test_replicas_with_different_committed_histories_all_refuse(histories):
+    # torchft's vote is per replica group: where some replicas committed a step and others redid it without them,
+    # both are at the same step with different tensors; their next common reduction must refuse, not average
+    def replica(manager):
+        tensor = torch.full((4,), float(manager.index))
+        ManagerCollective(manager).mean_([tensor], context="the same")
+        return tensor
+
+    outcomes = _paired_replicas(lambda barrier, slots, i: _PairedManager(barrier, slots, i, histories[i]),
+                                [replica, replica])
     if histories[0] == histories[1]:
         assert all(torch.equal(t, torch.full((4,), 0.5)) for t in outcomes)
     else:
         assert all(isinstance(e, puredist.RankMismatchError) and "committed different histories" in str(e)
                    for e in outcomes), outcomes
+
+
+class _GatheringHealingOuterManager(_HealingOuterManager):
+    """:class:`_HealingOuterManager` whose quorums can gather (compressed payloads): a
+    torchft process group of this one replica."""
+
+    def __init__(self, peer: dict) -> None:
+        super().__init__(peer)
+        self._pg = torchft.process_group.ProcessGroupDummy(0, 1)
+
+    def num_participants(self) -> int:
+        return 1
+
+
+def test_a_healed_compressed_replica_starts_with_zero_residuals():
+    # a peer's residuals are what its own payloads lost: a healed replica that kept them would send them as its own.
+    # top_k(1.0) is lossless, and outer SGD at lr 1 sets the global copy to the mean of the local parameters: the
+    # oracle is the local parameters themselves (with the peer's residual of 3 kept, 3 less)
+    from puredist.ft import FaultTolerantOuter
+
+    transform = puredist.outer_optimizer(puredist.sgd(1.0), sync_every=2, warmup_steps=1, compressor=puredist.top_k(1.0))
+    params = [torch.ones(3)]
+    before = transform.init(params)
+    peer = {**transform.state_dict(before, rank=0), "step": 3, "global.0": torch.full((3,), 5.0),
+            "residual.0.rank0": torch.full((3,), 3.0)}
+    outer = FaultTolerantOuter(transform, _GatheringHealingOuterManager(peer))
+    with pytest.raises(puredist.RankMismatchError, match="every one is healing"):  # the replay: nobody contributes
+        outer.update_(params, before)
+    assert outer.heals == 1 and torch.equal(params[0], torch.full((3,), 5.0))
+    params[0].add_(1.0)  # a local step
+    after = outer.update_(params, before)  # the synchronization at step 3, alone in a quorum of its own
+    assert (after.step, outer.failed) == (4, 0)
+    assert torch.equal(after.global_params[0], torch.full((3,), 6.0)) and torch.equal(params[0], after.global_params[0])
+    assert torch.equal(after.residuals[0], torch.zeros(3))
+
+
+class _PairedHealingManager(_PairedManager):
+    """A paired stand-in manager whose first quorum heals this replica (torchft takes
+    its peer's step, 7) where ``heals``."""
+
+    def __init__(self, barrier, slots: list, index: int, heals: bool) -> None:
+        super().__init__(barrier, slots, index, committed=7)
+        self.heals, self.step = heals, 7 if not heals else 0
+
+    def current_step(self) -> int:
+        return self.step
+
+    def start_quorum(self) -> None:
+        self.step = 7
+
+
+def test_a_replay_after_healed_contributes_zeros_and_receives_its_peers_mean():
+    # replica 1 heals in the quorum of replica 0's averaging and replays it: its own tensor (stale, and here not
+    # zero, as a plain averaging's are) must not be averaged in; both end with replica 0's mean, the mean over the
+    # one contributor
+    from puredist.ft import Healed
+
+    tensors = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 20.0, 30.0, 40.0])]
+
+    def member(manager):
+        collective = ManagerCollective(manager, restart_on_heal=True)
+        collective.mean_([tensors[0]], context="the same")
+        return collective.world_size
+
+    def healing(manager):
+        collective = ManagerCollective(manager, restart_on_heal=True)
+        with pytest.raises(Healed):
+            collective.mean_([tensors[1]], context="the same")
+        assert torch.equal(tensors[1], torch.tensor([10.0, 20.0, 30.0, 40.0]))  # nothing reduced, nothing written
+        collective.mean_([tensors[1]], context="the same")  # the replay
+        return collective.world_size
+
+    healing_second = lambda barrier, slots, i: _PairedHealingManager(barrier, slots, i, heals=i == 1)  # noqa: E731
+    assert _paired_replicas(healing_second, [member, healing]) == [1, 1]
+    for tensor in tensors:
+        assert torch.equal(tensor, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+class _QuorumFailsOnceManager(_PairedManager):
+    """A paired stand-in manager whose ``start_quorum`` does as torchft's: it first
+    waits for the previous quorum's future (re-raising its error), then starts a new
+    one and waits for it; the first quorum times out."""
+
+    def __init__(self, barrier, slots: list, index: int) -> None:
+        super().__init__(barrier, slots, index, committed=0)
+        self._quorum_future, self.quorums = None, 0
+
+    def start_quorum(self) -> None:
+        import concurrent.futures
+
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+        self.error, self.quorums = None, self.quorums + 1
+        self._quorum_future = concurrent.futures.Future()
+        if self.quorums == 1:
+            self._quorum_future.set_exception(TimeoutError("injected: the quorum timed out"))
+        else:
+            self._quorum_future.set_result(None)
+        self._quorum_future.result()
+
+
+def test_a_failed_quorum_that_is_no_heal_changes_nothing_and_the_next_one_averages():
+    # torchft's start_quorum raises its quorum's error, and re-raises it at every later start_quorum unless the
+    # failed quorum is forgotten: the replicas would fail every reduction from then on
+    tensors = [torch.full((4,), 1.0), torch.full((4,), 3.0)]
+
+    def replica(manager):
+        collective, tensor = ManagerCollective(manager), tensors[manager.index]
+        before = tensor.clone()
+        with pytest.raises(puredist.CollectiveError, match="failed in torchft's quorum.*injected: the quorum timed out"):
+            collective.mean_([tensor], context="the same")
+        assert torch.equal(tensor, before)
+        collective.mean_([tensor], context="the same")
+        return collective.world_size, manager.quorums
+
+    assert _paired_replicas(_QuorumFailsOnceManager, [replica, replica]) == [(2, 2), (2, 2)]
+    assert all(torch.equal(tensor, torch.full((4,), 2.0)) for tensor in tensors)  # the mean of 1 and 3

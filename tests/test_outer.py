@@ -110,6 +110,38 @@ def test_matches_a_brute_force_loop(config):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
+PLACEMENTS = {  # (leaf dtypes, options): each off the fast path of one device and dtype but the last
+    "cpu global copy": ((torch.float64,) * 3, dict(global_device="cpu")),
+    "fp64 copy of fp32 leaves": ((torch.float32,) * 3, dict(global_dtype=torch.float64)),
+    "fp64 copy of mixed leaves": ((torch.float64, torch.float32, torch.float64), dict(global_dtype=torch.float64)),
+    "mixed leaves": ((torch.float64, torch.float32, torch.float64), {}),
+}
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_delayed_synchronization_off_the_default_placement_matches_the_brute_force_loop(placement, delay):
+    # the write-back with a delay keeps the progress made since the snapshot: local <- global + (local - snapshot),
+    # on each path that writes back (per leaf converted, or one flat converted buffer); the oracle is fp64
+    dtypes, options = PLACEMENTS[placement]
+    gen = torch.Generator().manual_seed(delay)
+    initial = [torch.randn(1, *shape, generator=gen, dtype=dtype).repeat(2, *[1] * len(shape))
+               for shape, dtype in zip([(3,), (2, 2), (5,)], dtypes)]
+    drifts = [[torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in initial] for _ in range(14)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=3,
+                                         warmup_steps=1, delay=delay, fragments=2, **options)
+    params = [t.clone() for t in initial]
+    state = transform.init(params)
+    for drift in drifts:
+        for p, d in zip(params, drift):
+            p.add_(d)
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(2))
+    expected = brute_force([t.double() for t in initial], [[d.double() for d in drift] for drift in drifts], lr=0.7,
+                           momentum=0.9, nesterov=True, sync_every=3, warmup=1, delay=delay, fragments=2, lower=None)
+    for ours, theirs in zip(params, expected):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-5)
+
+
 @given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 2**16))
 def test_outer_sgd_with_lr_one_is_exactly_periodic_averaging(sync_every, warmup, seed):
     gen = torch.Generator().manual_seed(seed)

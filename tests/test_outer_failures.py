@@ -124,6 +124,34 @@ def test_a_callers_own_entries_in_the_same_dict_load():
     assert transform.load_state_dict(transform.init(params), saved, rank=0).step == 3
 
 
+def test_a_load_into_a_flat_template_leaves_the_templates_tensors_alone():
+    # the template's fragments are laid out flat (global copy, momentum, residuals: views of one buffer each); the
+    # load lays the saved state out the same way in buffers of its own. The oracle: the template's own copy
+    from puredist.outer.flat import flat_base
+
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9), sync_every=2, fragments=2,
+                                         compressor=puredist.int8_blocks(8))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(1, n, generator=gen).repeat(2, 1) for n in (3, 4, 5, 2)]  # fragments: leaves 0-1, 2-3
+    template = transform.init(params)
+
+    def tensors(state):
+        return [*state.global_params, *(t for leaf in state.outer_state for t in leaf), *state.residuals]
+
+    columns = [template.global_params, [s.momentum_buffer for s in template.outer_state], template.residuals]
+    assert all(flat_base(column[a:b]) is not None for column in columns for a, b in ((0, 2), (2, 4)))
+    kept = [t.clone() for t in tensors(template)]
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in transform.state_dict(saved_state(transform, params, 5, SimulatedCollective(2)), rank=0).items()}
+    loaded = transform.load_state_dict(template, saved, rank=0)
+    assert all(torch.equal(t, k) for t, k in zip(tensors(template), kept))
+    assert not all(torch.equal(t, k) for t, k in zip(tensors(loaded), kept))  # (what was saved differs from it)
+    reloaded = transform.state_dict(loaded, rank=0)
+    assert all(torch.equal(reloaded[k], v) if isinstance(v, torch.Tensor) else reloaded[k] == v for k, v in saved.items())
+    loaded_columns = [loaded.global_params, [s.momentum_buffer for s in loaded.outer_state], loaded.residuals]
+    assert all(flat_base(column[a:b]) is not None for column in loaded_columns for a, b in ((0, 2), (2, 4)))
+
+
 def test_world_size_changes_load_by_the_documented_rule():
     params = [torch.zeros(2, 3)]
     transform = diloco(delay=1)

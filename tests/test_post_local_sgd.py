@@ -199,7 +199,7 @@ def test_the_hook_divides_before_summing_so_fp16_gradients_do_not_overflow():
         assert grads["puredist"] == grads["torch"] == 40000.0  # 2 x 40000 would overflow fp16
 
 
-def _resume_from_disk(rank, world_size, how, folder):
+def _resume_from_disk(rank, world_size, how, folder, saved_after=5):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -210,7 +210,9 @@ def _resume_from_disk(rank, world_size, how, folder):
     uninterrupted = params_of(model)
 
     model, optimizer, hook_state = build(PUREDIST, subgroup)
-    for step in range(5):  # saved between averagings (3 and 5): parameters and momentum differ by rank
+    # saved after 5 steps: between averagings (3 and 5), parameters and momentum differ by rank; after 6: right
+    # after the averaging at 5, the parameters are equal on every rank, the momentum differs by pair of ranks
+    for step in range(saved_after):
         train_step(model, optimizer, rank, step)
     optimizer.zero_grad(set_to_none=True)
     if how == "dcp":
@@ -229,14 +231,14 @@ def _resume_from_disk(rank, world_size, how, folder):
         hook_state.iter = START_LOCAL_SGD
         before = params_of(model)
         try:
-            train_step(model, optimizer, rank, 5)
+            train_step(model, optimizer, rank, saved_after)
         except RuntimeError as error:
             assert "another rank's parameters or optimizer state" in str(error)
             assert all(torch.equal(a, b) for a, b in zip(before, params_of(model)))  # nothing stepped
             with pytest.raises(RuntimeError, match="another rank's"):  # nor at any later step
                 optimizer.step()
             return "refused"
-        for step in range(6, STEPS):
+        for step in range(saved_after + 1, STEPS):
             train_step(model, optimizer, rank, step)
         assert all(torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted))
         return "resumed"
@@ -245,7 +247,7 @@ def _resume_from_disk(rank, world_size, how, folder):
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optim"])
         hook_state.load_state_dict(saved["hook"])
-    for step in range(5, STEPS):
+    for step in range(saved_after, STEPS):
         train_step(model, optimizer, rank, step)
     assert all(torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted))
     return "resumed"
@@ -256,14 +258,25 @@ def _resume_from_disk(rank, world_size, how, folder):
     [
         # at 2 ranks the hook's subgroup of 2 is everybody: ranks never differ, DCP loses nothing
         ("dcp", 2, "resumed"),
-        # at 4 ranks pairs differ between averagings: DCP keeps rank 0's copy, which is refused
-        ("dcp", 4, "refused"),
+        # (at 4 ranks pairs differ: see the test below)
         ("per-rank files", 2, "resumed"),
         ("per-rank files", 4, "resumed"),
     ],
 )
 def test_checkpoints_on_disk_resume_bit_for_bit_or_refuse_on_every_rank(how, world_size, expected, tmp_path):
     assert run_workers(_resume_from_disk, world_size, how, str(tmp_path)) == [expected] * world_size
+
+
+def _dcp_saved_between_and_right_after_averagings(rank, world_size, folder):
+    return [_resume_from_disk(rank, world_size, "dcp", f"{folder}/after{steps}", steps) for steps in (5, 6)]
+
+
+def test_dcp_checkpoints_of_rank_local_parameters_or_momentum_are_refused_on_every_rank(tmp_path):
+    # at 4 ranks the hook averages gradients within pairs, and DCP keeps one copy of each key (rank 0's). Saved
+    # between averagings, the parameters and the momentum differ by pair; right after the averaging at 5, the
+    # parameters are every rank's own and only the momentum tells (the optimizer state's digest)
+    results = run_workers(_dcp_saved_between_and_right_after_averagings, 4, str(tmp_path))
+    assert results == [["refused", "refused"]] * 4
 
 
 def _adam_and_scalar_parameters_checkpoint(rank, world_size):

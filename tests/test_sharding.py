@@ -86,6 +86,49 @@ def test_gpt2_small_plans_beat_torch_round_robin(world_size, bound):
     assert max(sizes) / even <= bound
 
 
+def largest_first_by_definition(groups, loads):
+    """The documented LPT rule, from its statement: repeatedly the largest remaining
+    group (the lowest index among equal sizes) to the least-loaded rank (the lowest
+    among equal loads). ``groups``: ``[(size, members)]``; returns ``{member: rank}``."""
+    owners, remaining = {}, list(range(len(groups)))
+    while remaining:
+        k = min(remaining, key=lambda k: (-groups[k][0], k))
+        remaining.remove(k)
+        rank = loads.index(min(loads))  # (index: the first of the least loaded)
+        loads[rank] += groups[k][0]
+        owners.update({member: rank for member in groups[k][1]})
+    return owners
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 5), st.data())
+def test_ties_go_to_the_lowest_rank_and_equal_sizes_keep_their_index_order(sizes, world_size, data):
+    # sizes from {0..3}: ties at every step; each strategy against the rule applied by hand
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(sizes) - 1), max_size=len(sizes) - 1))) if len(sizes) > 1 else []
+    buckets = [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, len(sizes)])]
+    start = data.draw(st.lists(st.integers(0, 2), min_size=world_size, max_size=world_size))
+
+    def plan(strategy):
+        return plan_zero(sizes, world_size, strategy=strategy, buckets=buckets, start_loads=start).owners
+
+    expected = largest_first_by_definition([(n, (i,)) for i, n in enumerate(sizes)], list(start))
+    assert plan("balanced") == tuple(expected[i] for i in range(len(sizes)))
+    expected = largest_first_by_definition([(sum(sizes[i] for i in b), tuple(b)) for b in buckets], list(start))
+    assert plan("whole_buckets") == tuple(expected[i] for i in range(len(sizes)))
+    loads, expected = list(start), {}  # split: the buckets largest first (index order on ties), LPT within each
+    for b in sorted(range(len(buckets)), key=lambda b: -sum(sizes[i] for i in buckets[b])):  # (sorted is stable)
+        expected.update(largest_first_by_definition([(sizes[i], (i,)) for i in buckets[b]], loads))
+    assert plan("split_buckets") == tuple(expected[i] for i in range(len(sizes)))
+
+
+def test_tie_breaking_by_hand():
+    assert plan_zero([5, 5, 5, 5], 2).owners == (0, 1, 0, 1)
+    assert plan_zero([3, 5, 5, 3], 3).owners == (2, 0, 1, 2)  # 5, 5 to ranks 0, 1; both 3s to rank 2 (load 3, then 6)
+    assert plan_zero([2, 2], 3, start_loads=[1, 0, 0]).owners == (1, 2)
+    assert plan_zero([4, 2, 2, 4], 2, strategy="whole_buckets", buckets=[[0], [1, 2], [3]]).owners == (0, 1, 1, 0)
+    # split: bucket [0, 1] (5) before [2, 3] (also 5, a later index); within each, equal sizes in index order
+    assert plan_zero([1, 4, 4, 1], 2, strategy="split_buckets", buckets=[[0, 1], [2, 3]]).owners == (1, 0, 1, 0)
+
+
 def test_owned_by_takes_a_plan_built_by_hand_with_a_list_of_owners():
     from puredist.sharding import ZeroPlan
 

@@ -23,7 +23,11 @@ it into ``W`` equal chunks; rank ``c`` owns chunk ``c``.
 What a rank's chunks lost in phase 1 is its next residual there; what ``m_c`` lost in
 phase 2, times ``W``, is the owner's next residual on chunk ``c`` (which it sends exact
 next time). So the result is ``(1/W) sum_r (x_r + e_r - e_r')`` and error feedback
-telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The
+telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The one
+exception is at fp32's edge: the owner's residual is computed in fp64 and rounded to
+fp32 saturating at ``±FLT_MAX``, so that finite inputs leave finite residuals; where ``W``
+times what phase 2 lost exceeds that (a dropped mean entry above ``FLT_MAX / W``, as
+top-k can drop), the excess is lost. The
 residuals are the state (checkpoint them with the rest). All of this is in fp32: leaves
 of other float dtypes enter as fp32 and their means are cast back, so what that cast
 loses (a 16-bit leaf's rounding, an fp64 leaf's digits beyond fp32's) is outside the
@@ -305,8 +309,10 @@ def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
 def _raise_non_finite(where: list[str], context: str) -> None:
     raise ValueError(
         f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN ({'; '.join(where)}): a block's scale, "
-        f"and then the residual, would be non-finite for good. Nothing was sent, on any rank; skip this step "
-        f"(e.g. an AMP overflow). {context}"
+        f"and then the residual, would be non-finite for good. Nothing was sent, on any rank, and the state passed "
+        f"in is unchanged. Where the params are (an AMP overflow), skip this step; where a residual is (marked "
+        f"'its residual'), or both are finite and their sum is not, no later step clears it: reset the residuals "
+        f"(zeros, as init makes them) or reload a checkpoint. {context}"
     )
 
 
@@ -425,7 +431,8 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""
     finite = bool(torch.isfinite(rows).all())
     where = "" if finite else "inf or NaN in " + ", ".join(
-        f"leaf {i}" for i, (leaf, residual) in enumerate(zip(leaves, residuals))
+        f"leaf {i}" + ("" if torch.isfinite(residual).all() else " (its residual)")
+        for i, (leaf, residual) in enumerate(zip(leaves, residuals))
         if not torch.isfinite(leaf.detach().float() + residual).all()
     )
     if _gathers(collective):  # one torchft step; a replica's non-finite values make its context differ
@@ -500,8 +507,20 @@ def _two_phase_mean(
         decoded = [finals[0] if c == collective.rank else compressor.decode(p, chunk) for c, p in enumerate(gathered)]
     left = chunks - kept
     for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost
-        left[row, owner] = world * (means[row] - finals[row])
+        left[row, owner] = _owner_residual(means[row], finals[row], world)
     return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
+
+
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _owner_residual(mean: torch.Tensor, final: torch.Tensor, world: int) -> torch.Tensor:
+    """``world * (mean - final)``: what phase 2 lost of an owner's mean, scaled to be
+    sent exact next time. Computed in fp64 and rounded to fp32 once, saturating at
+    ``±FLT_MAX``: in fp32 a loss above ``FLT_MAX / world`` (top-k dropping a mean near
+    fp32's largest) gave ``inf``, which every later call refused, the mass lost all
+    the same; saturated, the residual stays finite and sends what fp32 can hold."""
+    return (world * (mean.double() - final.double())).clamp_(-_FLT_MAX, _FLT_MAX).float()
 
 
 def check_compressor(compressor: object) -> None:
