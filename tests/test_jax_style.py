@@ -229,3 +229,15 @@ def test_replica_worlds_draw_named_tuples_printed_with_their_values():
         replicas, group_size, tree = world
         assert isinstance(world, ReplicaWorld) and (world.replicas, world.group_size) == (replicas, group_size)
         assert repr(world) == f"ReplicaWorld(replicas={replicas}, group_size={group_size}, tree={shown(tree)})"
+
+
+def test_a_state_or_parameters_passed_to_vmap_with_the_wrong_dims_are_named():
+    diloco = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2)
+    stacked = [torch.ones(R, 3)]
+    axes = vmap_axes(diloco.init([stacked[0][0]]))
+    state = vmap(diloco.init, out_dims=axes)(stacked)
+    update = lambda p, s: diloco.update(p, s, collective=VmapCollective(R))  # noqa: E731
+    with pytest.raises(ValueError, match=r"a state stacked per replica passed unmapped\? Map it with in_dims="):
+        vmap(update, in_dims=(0, None), out_dims=(0, axes))(stacked, state)
+    with pytest.raises(ValueError, match=r"stacked parameters passed unmapped\? Map them \(in_dims=0\)"):
+        vmap(update, in_dims=(None, axes), out_dims=(0, axes))(stacked, state)

@@ -65,8 +65,22 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
         f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(globals_)}, and leaf "
         f"{differing} differs (params: "
         f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(globals_, differing)}). Pass the "
-        "parameters init was given (the same tree), or init a state for these."
+        f"parameters init was given (the same tree), or init a state for these.{_vmap_hint(leaves, globals_, differing)}"
     )
+
+
+def _vmap_hint(leaves: Sequence[torch.Tensor], globals_: Sequence[torch.Tensor], i: int) -> str:
+    """Where one side has exactly one more leading dimension, what ``vmap``'s dims
+    likely got wrong (a stacked tree passed unmapped), else ``""``."""
+    if i >= min(len(leaves), len(globals_)):
+        return ""
+    param, copy = leaves[i].shape, globals_[i].shape
+    if copy[1:] == param and len(copy) == len(param) + 1:
+        return (" Under torch.func.vmap: a state stacked per replica passed unmapped? Map it with "
+                "in_dims=puredist.tree.vmap_axes(state) (and return it with out_dims=the same).")
+    if param[1:] == copy and len(param) == len(copy) + 1:
+        return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
+    return ""
 
 
 def check_collective(config: OuterConfig, collective: Collective) -> None:

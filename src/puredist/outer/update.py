@@ -149,9 +149,9 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     belong to the collective until then), then works on copies. Under ``torch.func``
     transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
     out of place and differentiably, for ``delay=0`` without a compressor, and so it
-    does under ``torch.compile`` (which traces the out-of-place step, never the
-    in-place one). The state keeps its structure from ``init`` on, so one vmapped
-    step serves every step, step 0 included: with ``axes =
+    does under ``torch.compile`` (a delayed or compressed step takes the in-place
+    path on copies there, as eagerly). The state keeps its structure from ``init``
+    on, so one vmapped step serves every step, step 0 included: with ``axes =
     puredist.tree.vmap_axes(transform.init(params_of_one_replica))`` (the step, a
     Python int, unmapped), ``state = vmap(transform.init, out_dims=axes)(stacked)``
     and ``vmap(step, in_dims=(0, axes), out_dims=(0, axes))``. If the lower-level
@@ -164,8 +164,10 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
         TypeError: ``state`` is not an :class:`~puredist.OuterState` (another transform's).
     """
     check_state(config, state)
-    if torch.compiler.is_compiling() or (transforms_active() and any(is_transformed(t) for t in tree_leaves(params))):
+    if transforms_active() and any(map(is_transformed, (*tree_leaves(params), *state.global_params))):
         return traced_update(config, params, state, collective)
+    if torch.compiler.is_compiling() and not (config.delay or config.compressor is not None or state.in_flight):
+        return traced_update(config, params, state, collective)  # (delayed, compressed: the copies' path below)
     for item in state.in_flight:
         if item.handle.error is None:  # a failed one is issued again by update_
             item.handle.wait()
