@@ -21,7 +21,6 @@ from torch.func import functional_call, grad_and_value, vmap
 import puredist
 from puredist.tree import tree_flatten, tree_leaves, tree_unflatten, vmap_axes
 
-warnings.filterwarnings("ignore", message=".*performance drop.*")  # torch's vmap fallbacks, where they run
 
 
 def adamw_init(params):
@@ -72,6 +71,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
     args = parser.parse_args()
     R = args.replicas
+    warnings.filterwarnings("ignore", message=".*performance drop.*")  # torch's vmap fallbacks, where they run
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))

@@ -5,12 +5,16 @@ and under ``torch.compile(fullgraph=True)``.
 Oracles: per-replica ``torch.optim.AdamW`` with an outer ``torch.optim.SGD`` (Nesterov)
 on the mean pseudo-gradient, written out by hand (the fragments and their schedule
 too); compiled, the same vmapped function run eagerly (``aot_eager``: the graph
-itself, bit for bit). The compiled steps take a hand-written inner SGD and outer
-Nesterov SGD: puredist's optimizers run their in-place kernels while dynamo traces
-(it hides the vmap from them), which its batched fake tensors refuse."""
+itself, bit for bit). The compiled steps take a hand-written inner SGD and the
+example's out-of-place outer Nesterov SGD (checked against torch's eagerly here):
+puredist's optimizers run their in-place kernels while dynamo traces (it hides the
+vmap from them), which its batched fake tensors refuse."""
 
+import functools
+import importlib.util
+import sys
 import warnings
-from typing import NamedTuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 import puredist
 from puredist import SimulatedCollective, VmapCollective
-from puredist.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten, vmap_axes
+from puredist.tree import tree_leaves, tree_map, vmap_axes
 
 R = 4
 
@@ -76,12 +80,15 @@ def _oracle(model, batches, lr, sync_every, fragments):
     return [torch.stack([local[r][i].detach() for r in range(R)]) for i in range(len(initial))], global_
 
 
-def test_one_vmapped_diloco_step_for_every_step_equals_per_replica_adamw_and_an_outer_nesterov_sgd():
+@pytest.mark.parametrize("outer", ["puredist.sgd", "the example's nesterov_sgd"])
+def test_one_vmapped_diloco_step_for_every_step_equals_per_replica_adamw_and_an_outer_nesterov_sgd(outer):
     dtype, steps, lr = torch.float64, 7, 1e-2
     model = _model(dtype)
     params = {n: p.detach() for n, p in model.named_parameters()}
     inner = puredist.adamw(lr)
-    diloco = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=2, fragments=2)
+    nesterov = (puredist.sgd(0.7, momentum=0.9, nesterov=True) if outer == "puredist.sgd"
+                else _example().nesterov_sgd(0.7, 0.9))
+    diloco = puredist.outer_optimizer(nesterov, sync_every=2, fragments=2)
     axes = (vmap_axes(inner.init(params)), vmap_axes(diloco.init(params)))  # the step (an int) unmapped
     stacked = {n: p.expand(R, *p.shape).clone() for n, p in params.items()}
     state = vmap(lambda p: (inner.init(p), diloco.init(p)), out_dims=axes)(stacked)  # one state per replica
@@ -110,29 +117,15 @@ def test_one_vmapped_diloco_step_for_every_step_equals_per_replica_adamw_and_an_
     assert not torch.allclose(stacked["0.weight"], params["0.weight"].expand(R, 8, 4))  # it trained
 
 
-class _Momentum(NamedTuple):
-    buffer: torch.Tensor
-
-
-def _nesterov(lr: float, momentum: float) -> puredist.Optimizer:
-    """Outer Nesterov SGD out of place (torch's rule: ``b <- m b + g``, ``p <- p - lr (g + m b)``)."""
-
-    def init(params):
-        return [_Momentum(torch.zeros_like(p)) for p in tree_leaves(params)]
-
-    def update(params, grads, state):
-        leaves, spec = tree_flatten(params)
-        buffers = [momentum * s.buffer + g for s, g in zip(state, spec.flatten_up_to(grads))]
-        new = [p - lr * (g + momentum * b) for p, g, b in zip(leaves, spec.flatten_up_to(grads), buffers)]
-        return tree_unflatten(spec, new), [_Momentum(b) for b in buffers]
-
-    def update_(params, grads, state):
-        new, stepped = update(params, grads, state)
-        for p, n in zip(tree_leaves(params), tree_leaves(new)):
-            p.copy_(n)
-        return stepped
-
-    return puredist.Optimizer(init, update, update_, config=f"nesterov(lr={lr}, momentum={momentum})")
+@functools.cache
+def _example():
+    """examples/jax_style_diloco.py as a module (its out-of-place outer Nesterov SGD),
+    registered as one (the compiler looks its functions' module up)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "jax_style_diloco.py"
+    spec = importlib.util.spec_from_file_location("jax_style_diloco", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _compiled_and_eager(transform, steps):
@@ -167,7 +160,7 @@ def _fresh_compiler():
 
 
 def test_the_whole_compiled_diloco_step_with_fragments_and_bf16_pseudo_gradients_equals_eager():
-    diloco = puredist.outer_optimizer(_nesterov(0.7, 0.9), sync_every=2, fragments=2, comm_dtype=torch.bfloat16)
+    diloco = puredist.outer_optimizer(_example().nesterov_sgd(0.7, 0.9), sync_every=2, fragments=2, comm_dtype=torch.bfloat16)
     compiled, eager = _compiled_and_eager(diloco, 5)
     assert compiled[1].step == eager[1].step == 5
     for ours, theirs in zip(tree_leaves((compiled[0], compiled[1][1:])), tree_leaves((eager[0], eager[1][1:]))):
