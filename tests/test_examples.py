@@ -51,6 +51,16 @@ def test_the_property_example_runs_as_a_script():
     assert "property holds" in done.stdout
 
 
+def test_the_jax_style_example_compiles_its_whole_vmapped_step():
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_style_diloco.py"), "--steps", "5",
+                           "--sync-every", "2", "--backend", "aot_eager"],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("first layer equal on every replica: True") == 3, done.stdout  # steps 0, 2, 4
+    assert "done: 4 replicas, 5 steps" in done.stdout
+    assert "performance drop" not in done.stderr
+
+
 def test_the_fault_tolerant_example_runs_per_replica_group_under_torchrun():
     os.environ.setdefault("RUST_LOG", "error")  # torchft's lighthouse logs every quorum otherwise
     lighthouse_server = pytest.importorskip("torchft.coordination").LighthouseServer

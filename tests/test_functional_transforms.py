@@ -79,19 +79,19 @@ def test_the_gradient_of_an_average_is_the_average_of_the_gradients(group_size):
 
 
 def test_a_vmap_collective_is_refused_where_there_is_no_replica_axis_of_its_size():
-    with pytest.raises(RuntimeError, match="outside torch.func.vmap"):
+    with pytest.raises(RuntimeError, match=r"outside torch.func.vmap.*use SimulatedCollective\(2\)"):
         average([torch.ones(3)], collective=VmapCollective(2))
     with pytest.raises(ValueError, match="2 replicas, but the innermost vmap around it maps over 3"):
         vmap(lambda t: average(t, collective=VmapCollective(2)))(torch.ones(3, 4))
     with pytest.raises(ValueError, match="``group_size`` 3 must divide"):
         vmap(lambda t: average(t, collective=VmapCollective(4), group_size=3))(torch.ones(4, 2))
-    with pytest.raises(NotImplementedError, match="inside torch.func.vmap"):
+    with pytest.raises(RuntimeError, match=r"outside torch.func.vmap.*use SimulatedCollective\(2\)"):
         VmapCollective(2).check_replicated([torch.ones(1)], what="the initial parameters")
     for bad in (3, 0, -2, 8):  # (unflatten errors, ZeroDivisionError before)
         with pytest.raises(ValueError, match=f"``group_size`` {bad} must divide the number of replicas 4"):
             vmap(lambda t: puredist.replicas.replica_mean(t, bad, 4))(torch.ones(4, 2))
     # a broadcast outside vmap returned each tensor as it was: every replica its own value, silently
-    with pytest.raises(RuntimeError, match="broadcast outside torch.func.vmap"):
+    with pytest.raises(RuntimeError, match=r"outside torch.func.vmap.*use SimulatedCollective\(2\)"):
         VmapCollective(2).broadcast([torch.arange(4.0).reshape(2, 2)], src=1)
     assert torch.equal(VmapCollective(1).broadcast([torch.ones(2)], src=0)[0], torch.ones(2))  # one replica: itself
     with pytest.raises(TypeError, match=r"Arg ``src`` must be an int, got True"):
@@ -430,12 +430,16 @@ def test_the_outer_update_under_a_transform_refuses_what_it_cannot_map():
     with pytest.raises(NotImplementedError, match="delay=0"):
         vmap(lambda p, s: delayed.update(p, s, collective=VmapCollective(replicas)), in_dims=(0, None))(
             params, delayed.init([params[0][0]]))
-    two_leaves = [torch.randn(2, 3), torch.randn(2, 4)]
-    stacked = DILOCO.init(two_leaves)  # a global copy per replica, mapped: cannot be checked inside vmap
+    two_leaves = [torch.randn(2, 3), torch.randn(2, 4)]  # the replicas' copies differ
+    stacked = DILOCO.init(two_leaves)  # a global copy per replica, mapped: checked through the vmap
     from puredist.tree import vmap_axes
 
-    with pytest.raises(NotImplementedError, match="pass the state of init unmapped"):
+    with pytest.raises(puredist.RankMismatchError, match=r"global copy made by init\): tensors \[0, 1\] differ"):
         vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
+             in_dims=(0, vmap_axes(stacked)))(two_leaves, stacked)
+    # another collective cannot read a mapped copy on the host
+    with pytest.raises(NotImplementedError, match="average with a VmapCollective"):
+        vmap(lambda p, s: DILOCO.update(p, s, collective=SimulatedCollective(replicas)),
              in_dims=(0, vmap_axes(stacked)))(two_leaves, stacked)
 
 

@@ -574,6 +574,11 @@ class ReplicaGroups:
         return size
 
 
+def _named(arg: str) -> str:
+    """``arg`` as a message's subject: an argument's name (an identifier) quoted as one."""
+    return f"Arg ``{arg}``" if arg.isidentifier() else arg
+
+
 class SimulatedCollective(ReplicaGroups):
     """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
 
@@ -630,19 +635,26 @@ class SimulatedCollective(ReplicaGroups):
         return size
 
     def check_stacked(self, tensors: Sequence[torch.Tensor], *, arg: str = "tensors") -> None:
-        """Raise ``ValueError`` naming ``arg`` unless every tensor is stacked
-        ``[num_replicas, *shape]`` (one row per simulated rank)."""
+        """Raise ``ValueError`` naming ``arg`` (an argument's name, or what the tensors
+        are) unless every tensor is stacked ``[num_replicas, *shape]`` (one row per
+        simulated rank)."""
         for position, tensor in enumerate(tensors):
             if tensor.dim() == 0 or tensor.shape[0] != self.num_replicas:
                 raise ValueError(
-                    f"Arg ``{arg}``: tensor {position} has shape {tuple(tensor.shape)}; simulated, every tensor is "
-                    f"stacked [{self.num_replicas}, *shape] (one row per rank)."
+                    f"{_named(arg)}: tensor {position} has shape {tuple(tensor.shape)}; simulated, every tensor is "
+                    f"stacked [{self.num_replicas}, *shape] (one row per rank): pass tensors of {self.num_replicas} "
+                    "rows, or a SimulatedCollective of as many replicas as they have rows."
                 )
 
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of
-        each ``[R, *shape]`` tensor is bit-identical to the first."""
+        each ``[R, *shape]`` tensor is bit-identical to the first.
+
+        Raises:
+            ValueError: a tensor's leading dimension is not ``R`` (as :meth:`check_stacked`).
+        """
         del context
+        self.check_stacked(tensors, arg=what)
         rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
         differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
         if differing:

@@ -30,7 +30,7 @@ from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
 from puredist._validation import _check_int
-from puredist.collectives import CollectiveHandle, ReplicaGroups, block_mean
+from puredist.collectives import CollectiveHandle, ReplicaGroups, SimulatedCollective, block_mean
 
 __all__ = ["VmapCollective", "replica_mean"]
 
@@ -210,12 +210,13 @@ class VmapCollective(ReplicaGroups):
         size = self._size(group_size)
         tensors = checked_for_reduction(tensors, in_place=False)
         if size > 1:  # (an outer vmap would otherwise average whole simulations together)
+            self._check_inside_vmap()
             unmapped = _unmapped(tensors)
             if unmapped:
                 raise RuntimeError(
                     f"A VmapCollective over {self.num_replicas} replicas was given tensor {unmapped[0]}, which the "
                     "innermost torch.func.vmap (the replica axis) does not map (in_dims=None: pass it mapped, e.g. "
-                    "expanded), or was used outside torch.func.vmap: there is no replica axis to average it over."
+                    "expanded): there is no replica axis to average it over."
                 )
         return [_ReplicaMean.apply(t, size, self.num_replicas) for t in tensors]  # (size checked: once, not per leaf)
 
@@ -255,19 +256,63 @@ class VmapCollective(ReplicaGroups):
         if not all(isinstance(t, torch.Tensor) for t in tensors):  # (any dtype: a broadcast does no arithmetic)
             k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
             raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")
-        if self.num_replicas > 1 and not torch.compiler.is_compiling() and not _vmap_levels_active():
-            raise RuntimeError(  # (every tensor would pass as unmapped: each replica's own value, silently)
-                f"A VmapCollective over {self.num_replicas} replicas broadcast outside torch.func.vmap: there is no "
-                "replica axis to take replica src's value from (vmap the step over the replicas, or use "
-                "SimulatedCollective on the stacked tensors)."
-            )
+        if self.num_replicas > 1:  # (every tensor would pass as unmapped: each replica's own value, silently)
+            self._check_inside_vmap()
         unmapped = set(_unmapped(tensors))
         return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas, False)
                 for k, t in enumerate(tensors)]
 
+    def _check_inside_vmap(self) -> None:
+        """Raise ``RuntimeError`` where no ``torch.func.vmap`` runs around the call
+        (read eagerly only: the compiler traces ``vmap`` itself)."""
+        if not torch.compiler.is_compiling() and not _vmap_levels_active():
+            raise RuntimeError(
+                f"A VmapCollective over {self.num_replicas} replicas was used outside torch.func.vmap: it averages "
+                "over the replica axis of a vmap (vmap the step written for one replica over the stacked "
+                f"tensors); for stacked [{self.num_replicas}, *shape] tensors outside vmap, use "
+                f"SimulatedCollective({self.num_replicas})."
+            )
+
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Not available under ``vmap`` (the check needs the values on the host)."""
-        raise NotImplementedError(
-            f"{what}: checking that replicas are identical is not possible inside torch.func.vmap; "
-            "check the stacked tensors before the vmap (SimulatedCollective.check_replicated)."
-        )
+        """Raise :class:`~puredist.RankMismatchError` unless every replica's value of
+        each tensor is bit-identical (a tensor the replica axis does not map is, by
+        construction). Eagerly the values are read through the ``vmap`` (its batched
+        tensors hold the stacked rows). Skipped while ``torch.compile`` traces, and
+        for a tensor that a transform outside the replica axis wraps too (an outer
+        ``vmap`` or ``grad``): neither has values to read on the host, and a check
+        inside the traced step would be a host read of device values at every call.
+        The eager run of the same step checks it, as does
+        :meth:`SimulatedCollective.check_replicated` on the stacked tensors before the ``vmap``.
+
+        Raises:
+            RuntimeError: outside ``torch.func.vmap`` (see :meth:`mean`).
+            ValueError: the innermost ``vmap`` does not map over ``num_replicas``.
+        """
+        del context
+        if torch.compiler.is_compiling():
+            return
+        self._check_inside_vmap()
+        level = _vmap_levels_active()[-1]
+        rows = [r for r in (_replica_rows(t, level) for t in tensors) if r is not None]
+        for r in rows[:1]:
+            if r.shape[0] != self.num_replicas:
+                raise ValueError(
+                    f"The VmapCollective has {self.num_replicas} replicas, but the innermost vmap around it maps "
+                    f"over {r.shape[0]}."
+                )
+        SimulatedCollective(self.num_replicas).check_replicated(rows, what=what)
+
+
+def _replica_rows(tensor: torch.Tensor, level: int) -> torch.Tensor | None:
+    """The stacked ``[R, *shape]`` values of ``tensor`` over the ``vmap`` at ``level``
+    (looked for through ``torch.func.grad``'s wrappers); ``None`` where that ``vmap``
+    does not map it, or where another transform wraps the values too. (private:
+    ``torch._C._functorch``'s wrapper queries)"""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor) and functorch.maybe_get_level(tensor) == level:
+            value = functorch.get_unwrapped(tensor)
+            return None if functorch.is_functorch_wrapped_tensor(value) else value.movedim(
+                functorch.maybe_get_bdim(tensor), 0)
+        tensor = functorch.get_unwrapped(tensor)
+    return None

@@ -12,27 +12,68 @@ Generate parameter trees and replica worlds, then check a step function on
         replicas, group_size, tree = world  # tree leaves are [replicas, *shape]
         ...
 
-Needs ``hypothesis`` (``pip install puredist[test]``).
+A failing example prints each tensor's shape, dtype and values (see :func:`shown`).
+
+Needs ``hypothesis`` (``pip install 'puredist[testing]'``).
 
 This module must not be imported by the library itself: it needs ``hypothesis``, a
 test dependency.
 """
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 try:
-    from hypothesis import strategies as st
+    from hypothesis import note, strategies as st
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("puredist.testing needs hypothesis: pip install 'puredist[test]'") from error
+    raise ImportError("puredist.testing needs hypothesis: pip install 'puredist[testing]'") from error
 
-from puredist.tree import PyTree
+from puredist.tree import PyTree, tree_map
 
-__all__ = ["DTYPES", "divisors", "parameter_trees", "replica_worlds"]
+__all__ = ["DTYPES", "ReplicaWorld", "divisors", "parameter_trees", "replica_worlds", "shown"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 """The floating-point dtypes the strategies draw from by default."""
+
+
+class _Shown:
+    """A tensor's description for a failing example's report: shape, dtype, values."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        values = self.tensor.detach().double().tolist()  # (every value: the strategies' tensors are small)
+        return f"tensor(shape={tuple(self.tensor.shape)}, {self.tensor.dtype}, {values})"
+
+
+def shown(tree: PyTree) -> str:
+    """``tree`` as text, each tensor as its shape, dtype and values (every value: for
+    the strategies' small tensors), e.g. ``{'w': tensor(shape=(2,), torch.float32,
+    [0.5, -1.0])}``."""
+    return repr(tree_map(_Shown, tree))
+
+
+class ReplicaWorld(NamedTuple):
+    """A draw of :func:`replica_worlds` (unpacks as ``replicas, group_size, tree``);
+    printed with its tensors' shapes, dtypes and values (:func:`shown`).
+
+    Attributes:
+        replicas: the number of simulated ranks.
+        group_size: a group size dividing ``replicas``.
+        tree: a parameter tree, each tensor stacked ``[replicas, *shape]``.
+    """
+
+    replicas: int
+    group_size: int
+    tree: PyTree
+
+    def __repr__(self) -> str:
+        return f"ReplicaWorld(replicas={self.replicas}, group_size={self.group_size}, tree={shown(self.tree)})"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # hypothesis prints examples with this
+        printer.text(repr(self))
 
 
 def divisors(n: int) -> list[int]:
@@ -57,6 +98,8 @@ def parameter_trees(
     """A nested pytree (dicts, lists, tuples, ``None`` leaves) of random tensors of
     up to 3 dimensions of size 1 to 4, each of one of ``dtypes``; with ``replicas``,
     every tensor has a leading replica axis of that size (rank ``r`` is row ``r``).
+    A failing example's report notes the tree with its tensors' shapes, dtypes and
+    values (:func:`shown`).
 
     Raises:
         ValueError: ``replicas`` or ``max_leaves`` not an int >= 1, or ``dtypes``
@@ -87,13 +130,15 @@ def _parameter_trees(draw, replicas: int | None, dtypes: Sequence[torch.dtype], 
         ),
         max_leaves=max_leaves,
     )
-    return draw(tree)
+    drawn = draw(tree)
+    note(f"parameter tree: {shown(drawn)}")
+    return drawn
 
 
 def replica_worlds(
     replica_counts: Sequence[int] = (1, 2, 3, 4, 6, 8), dtypes: Sequence[torch.dtype] = DTYPES
-) -> st.SearchStrategy[tuple[int, int, PyTree]]:
-    """``(replicas, group_size, tree)``: a number of simulated ranks, a group size
+) -> st.SearchStrategy[ReplicaWorld]:
+    """A :class:`ReplicaWorld` ``(replicas, group_size, tree)``: a number of simulated ranks, a group size
     dividing it (a level of a hierarchy), and a :func:`parameter_trees` tree with
     that many replicas.
 
@@ -114,4 +159,4 @@ def replica_worlds(
 def _replica_worlds(draw, replica_counts: Sequence[int], dtypes: Sequence[torch.dtype]):
     replicas = draw(st.sampled_from(list(replica_counts)))
     group_size = draw(st.sampled_from(divisors(replicas)))
-    return replicas, group_size, draw(parameter_trees(replicas, dtypes))
+    return ReplicaWorld(replicas, group_size, draw(parameter_trees(replicas, dtypes)))

@@ -124,5 +124,14 @@ def vmap_axes(tree: PyTree, axis: int = 0) -> PyTree:
     ``torch.func.vmap`` needs for a tree holding static data (an averager's step), or
     a starting point for unmapping some tensors, e.g. an optimizer's step counts:
     ``axes = [a._replace(step=None) for a in vmap_axes(state)]``, then
-    ``vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))``."""
+    ``vmap(opt.update, in_dims=(0, 0, axes), out_dims=(0, axes))``.
+
+    A transform's state keeps one structure from ``init`` on (an averager's, DiLoCo's),
+    so the axes of one replica's ``init`` serve every step, and make the stacked
+    state in one line (the step, a Python int, unmapped)::
+
+        axes = vmap_axes(diloco.init(params_of_one_replica))
+        state = vmap(diloco.init, out_dims=axes)(stacked_params)
+        step = vmap(lambda p, s: diloco.update(p, s, collective=VmapCollective(R)),
+                    in_dims=(0, axes), out_dims=(0, axes))  # step 0 included"""
     return torch_pytree.tree_map(lambda leaf: axis if isinstance(leaf, torch.Tensor) else None, tree)

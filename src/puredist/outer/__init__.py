@@ -50,6 +50,13 @@ and :attr:`OuterTransform.load_state_dict` turn it into a flat dict of fixed key
 same for any state of one transform), which ``torch.save`` and
 ``torch.distributed.checkpoint`` both store.
 
+Under ``torch.func.vmap`` over simulated replicas (a :class:`~puredist.VmapCollective`)
+and under ``torch.compile(fullgraph=True)``, ``update`` runs out of place for
+synchronous, uncompressed synchronizations; the state keeps one structure from
+``init`` on, so one vmapped (and compiled) step serves every step, from
+``vmap(init, out_dims=puredist.tree.vmap_axes(init(params_of_one_replica)))`` on
+(examples/jax_style_diloco.py).
+
 Where things are: :mod:`~puredist.outer.schedule` (which fragment synchronizes when),
 :mod:`~puredist.outer.sync` (one synchronization: start, apply),
 :mod:`~puredist.outer.update` (one step, eager, pure and traced),

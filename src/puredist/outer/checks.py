@@ -7,7 +7,6 @@ This module must not change a tensor.
 
 from __future__ import annotations
 
-import operator
 from typing import Sequence
 
 import torch
@@ -23,7 +22,14 @@ def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
     return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
 
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+def check_state(config: OuterConfig, state: object) -> None:
+    """Raise ``TypeError`` unless ``state`` is an :class:`OuterState` (another
+    transform's state, e.g. an averager's or an optimizer's, is named)."""
+    if not isinstance(state, OuterState):
+        raise TypeError(
+            f"Arg ``state`` is a {type(state).__name__}, not an OuterState: it was made by another transform "
+            f"(pass the state that init of {config} made, or the one its last update returned)."
+        )
 
 
 def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: OuterState) -> None:
@@ -33,14 +39,20 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
     embedding left out) would pair unrelated tensors."""
     globals_ = state.global_params
     same_dtype = config.global_dtype is None
-    same = len(leaves) == len(globals_) and list(map(_SHAPE, leaves)) == list(map(_SHAPE, globals_))
+    # (comprehensions, not operator.attrgetter: torch.compile traces this check and cannot call one)
+    same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [t.shape for t in globals_]
     if same and same_dtype:
-        same = list(map(_DTYPE, leaves)) == list(map(_DTYPE, globals_))
+        same = [t.dtype for t in leaves] == [t.dtype for t in globals_]
     if same and config.compressor is not None and len(state.residuals) != len(globals_):
         raise ValueError(
             f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals for {len(globals_)} parameters: "
             f"it was made by init of a transform without a compressor; this one has {config.compressor.name}. "
             "Init a state with this transform."
+        )
+    if same and config.compressor is None and state.residuals:
+        raise ValueError(
+            f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals: it was made by init of a "
+            "transform with a compressor; this one has none. Init a state with this transform."
         )
     if same:
         return
@@ -53,8 +65,22 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
         f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(globals_)}, and leaf "
         f"{differing} differs (params: "
         f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(globals_, differing)}). Pass the "
-        "parameters init was given (the same tree), or init a state for these."
+        f"parameters init was given (the same tree), or init a state for these.{_vmap_hint(leaves, globals_, differing)}"
     )
+
+
+def _vmap_hint(leaves: Sequence[torch.Tensor], globals_: Sequence[torch.Tensor], i: int) -> str:
+    """Where one side has exactly one more leading dimension, what ``vmap``'s dims
+    likely got wrong (a stacked tree passed unmapped), else ``""``."""
+    if i >= min(len(leaves), len(globals_)):
+        return ""
+    param, copy = leaves[i].shape, globals_[i].shape
+    if copy[1:] == param and len(copy) == len(param) + 1:
+        return (" Under torch.func.vmap: a state stacked per replica passed unmapped? Map it with "
+                "in_dims=puredist.tree.vmap_axes(state) (and return it with out_dims=the same).")
+    if param[1:] == copy and len(param) == len(copy) + 1:
+        return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
+    return ""
 
 
 def check_collective(config: OuterConfig, collective: Collective) -> None:
@@ -85,21 +111,25 @@ def initial_check_context(config: OuterConfig) -> str:
 
 
 def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective: Collective) -> None:
-    """:func:`check_initial_copy` under a ``torch.func`` transform, which reads the
-    copy on the host: only an unmapped copy allows that (under ``vmap``, one copy
-    shared by every replica is replicated by construction: nothing to check).
+    """:func:`check_initial_copy` under a ``torch.func`` transform or ``torch.compile``.
+    A :class:`~puredist.VmapCollective` checks the replicas' copies itself (mapped or
+    not: a copy shared by every replica is replicated by construction; see its
+    ``check_replicated`` for what it skips while compiling); another collective reads
+    the copy on the host, as eagerly, which only an unmapped copy allows.
 
     Raises:
-        NotImplementedError: a transform maps the global copy.
+        NotImplementedError: a transform maps the global copy, with another collective.
     """
+    if isinstance(collective, VmapCollective):
+        check_initial_copy(config, state, collective)
+        return
     if any(is_transformed(t) for t in state.global_params):
         raise NotImplementedError(
             config.explain(
                 "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
-                "which a torch.func transform hides when it maps the copy: pass the state of init unmapped "
-                "(vmap in_dims=None: one copy for every replica), or take step 0 outside the transform."
+                "which a torch.func transform hides when it maps the copy: pass the state of init unmapped, "
+                "take step 0 outside the transform, or (under vmap) average with a VmapCollective."
             )
         )
-    if not isinstance(collective, VmapCollective):
-        with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
-            check_initial_copy(config, state, collective)
+    with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
+        check_initial_copy(config, state, collective)

@@ -36,6 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
+from puredist._inputs import is_transformed
 from puredist._layout import layout_of, views_like
 from puredist._seq import any_none
 from puredist.optim.base import declaration
@@ -55,7 +56,8 @@ def flattens(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> bool:
     return (
         config.same_place and config.outer.elementwise
         and sum(t.numel() for t in leaves) * first.element_size() <= _FLAT_MAX_LEAF_BYTES * len(leaves)
-        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t) for t in leaves)
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t) and not is_transformed(t)
+                for t in leaves)  # (under vmap(init), a batched tensor has no memory to view)
         and all(t.dtype == first.dtype and t.device == first.device and not t.is_complex() for t in leaves)
     )
 

@@ -16,6 +16,7 @@ import torch
 
 from puredist._docs import fields_documented
 from puredist._dtensors import is_dtensor, local_shard
+from puredist._inputs import transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig
@@ -106,10 +107,16 @@ def pinned_if_host_of_gpu(copy: torch.Tensor, leaf: torch.Tensor) -> torch.Tenso
 def init_state(config: OuterConfig, params: PyTree) -> OuterState:
     """Step 0: a copy of ``params`` as the global copy, fresh outer-optimizer state.
 
+    Under ``torch.func.vmap`` over stacked parameters it makes one state per replica
+    (the step, a Python int, unmapped: ``vmap(init, out_dims=vmap_axes(init(params of
+    one replica)))``), of the same structure as the state of one replica's ``init``
+    and as every state after it.
+
     Raises:
         ValueError: more fragments than parameter leaves.
     """
-    leaves, _ = _float_leaves(params, in_place=True)
+    # under a torch.func transform (vmap(init) of stacked parameters) memory is not observable: not checked
+    leaves, _ = _float_leaves(params, in_place=not transforms_active())
     global_params: list = [None] * len(leaves)
     outer_state: list = [None] * len(leaves)
     residuals: list = [None] * len(leaves) if config.compressor else []

@@ -12,6 +12,8 @@ This module must not compute a synchronization itself: it orders those of
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from puredist._inputs import is_transformed, transforms_active
@@ -19,7 +21,7 @@ from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, refuse_on_all_ranks
 from puredist.optim import clone_states
 from puredist.outer.checks import (
-    check_collective, check_initial_copy, check_initial_copy_traced, check_params, initial_check_context,
+    check_collective, check_initial_copy, check_initial_copy_traced, check_params, check_state, initial_check_context,
 )
 from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments, fragment_leaves, is_first_sync, lower_level_fragments
@@ -28,8 +30,15 @@ from puredist.outer.sync import SyncContext, apply, issue, pseudo_gradient, star
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 
 
-def _lower_context(config: OuterConfig, step: int) -> str:
-    return f"{config} lower level at step {step}"
+class _LowerContext(NamedTuple):
+    """The rank-check context of a lower level's averaging, formatted only when
+    checked (under ``torch.compile`` the step may be symbolic: no string is built)."""
+
+    config: OuterConfig
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.config} lower level at step {self.step}"
 
 
 def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
@@ -76,7 +85,7 @@ def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, ob
     waiting = {item.fragment for item in state.in_flight if item.apply_step != state.step}
     level, idle = lower_level_fragments(config, state.step, waiting)
     if level is not None and idle:  # (every fragment holds a leaf)
-        return config.lower_sizes[level], _lower_context(config, state.step)
+        return config.lower_sizes[level], _LowerContext(config, state.step)
     return None
 
 
@@ -104,6 +113,7 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
     the next ``update_`` with it). If the lower-level averaging fails after the outer
     step was applied, the :class:`~puredist.CollectiveError` carries the state to
     continue from (``error.state``)."""
+    check_state(config, state)
     leaves, _, fragments = _checked_inputs(config, params, state, collective, traced=False)
     _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
     in_flight = [
@@ -127,7 +137,7 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
     idle_leaves = [leaves[i] for f in idle for i in fragments[f]]
     if level is not None and idle_leaves:
         try:
-            collective.mean_(idle_leaves, group_size=config.lower_sizes[level], context=_lower_context(config, state.step))
+            collective.mean_(idle_leaves, group_size=config.lower_sizes[level], context=_LowerContext(config, state.step))
         except CollectiveError as error:
             error.state = new_state  # the outer step was applied: continue from this state
             raise
@@ -138,14 +148,26 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     """Pure: first completes the input state's collectives in flight (their buffers
     belong to the collective until then), then works on copies. Under ``torch.func``
     transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
-    out of place and differentiably, for ``delay=0`` without a compressor; the
-    state keeps its structure (``puredist.tree.vmap_axes(state)`` maps it). If the
-    lower-level averaging fails after the outer step was applied, the
+    out of place and differentiably, for ``delay=0`` without a compressor, and so it
+    does under ``torch.compile`` (a delayed or compressed step takes the in-place
+    path on copies there, as eagerly). The state keeps its structure from ``init``
+    on, so one vmapped step serves every step, step 0 included: with ``axes =
+    puredist.tree.vmap_axes(transform.init(params_of_one_replica))`` (the step, a
+    Python int, unmapped), ``state = vmap(transform.init, out_dims=axes)(stacked)``
+    and ``vmap(step, in_dims=(0, axes), out_dims=(0, axes))``. If the lower-level
+    averaging fails after the outer step was applied, the
     :class:`~puredist.CollectiveError` carries the new parameters with the new state
     (``error.params``, ``error.state``: to continue from together; the inputs are
-    unchanged)."""
-    if transforms_active() and any(is_transformed(t) for t in tree_leaves(params)):
+    unchanged).
+
+    Raises:
+        TypeError: ``state`` is not an :class:`~puredist.OuterState` (another transform's).
+    """
+    check_state(config, state)
+    if transforms_active() and any(map(is_transformed, (*tree_leaves(params), *state.global_params))):
         return traced_update(config, params, state, collective)
+    if torch.compiler.is_compiling() and not (config.delay or config.compressor is not None or state.in_flight):
+        return traced_update(config, params, state, collective)  # (delayed, compressed: the copies' path below)
     for item in state.in_flight:
         if item.handle.error is None:  # a failed one is issued again by update_
             item.handle.wait()
@@ -177,7 +199,7 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
 
 
 def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
-    """:func:`update` under ``torch.func`` transforms: out of place and
+    """:func:`update` under ``torch.func`` transforms and ``torch.compile``: out of place and
     differentiable (the collective's ``mean``, the outer optimizer's pure
     ``update``), for synchronous, uncompressed synchronizations.
 
@@ -198,7 +220,7 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
     for f in due:
         indices = fragments[f]
         pseudo = [pseudo_gradient(config, global_params[i], leaves[i]) for i in indices]
-        means = collective.mean(pseudo, context=str(SyncContext(config, f, state.step)))
+        means = collective.mean(pseudo, context=SyncContext(config, f, state.step))
         targets = [global_params[i] for i in indices]
         grads = [m.to(g.dtype) for m, g in zip(means, targets)]
         if is_first_sync(config, f, state.step):  # plain averaging (see sync.apply)
@@ -214,7 +236,7 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
     idle_leaves = [i for f in idle for i in fragments[f]]
     if level is not None and idle_leaves:
         means = collective.mean([new_leaves[i] for i in idle_leaves], group_size=config.lower_sizes[level],
-                                context=_lower_context(config, state.step))
+                                context=_LowerContext(config, state.step))
         for i, mean in zip(idle_leaves, means):
             new_leaves[i] = mean
     new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), state.residuals)

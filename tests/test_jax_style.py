@@ -1,0 +1,236 @@
+"""A JAX user's whole step: one training step written for one replica, ``torch.func.vmap``
+over R simulated replicas with a VmapCollective, DiLoCo or a periodic averager, eager
+and under ``torch.compile(fullgraph=True)``.
+
+Oracles: per-replica ``torch.optim.AdamW`` with an outer ``torch.optim.SGD`` (Nesterov)
+on the mean pseudo-gradient, written out by hand (the fragments and their schedule
+too); compiled, the same vmapped function run eagerly (``aot_eager``: the graph
+itself, bit for bit). The compiled steps take a hand-written inner SGD and the
+example's out-of-place outer Nesterov SGD (checked against torch's eagerly here):
+puredist's optimizers run their in-place kernels while dynamo traces (it hides the
+vmap from them), which its batched fake tensors refuse."""
+
+import functools
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vmap
+
+import puredist
+from puredist import SimulatedCollective, VmapCollective
+from puredist.tree import tree_leaves, tree_map, vmap_axes
+
+R = 4
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
+
+
+def _batches(steps, dtype):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(R, 6, 4, generator=gen, dtype=dtype), torch.randn(R, 6, 2, generator=gen, dtype=dtype))
+            for _ in range(steps)]
+
+
+def _oracle(model, batches, lr, sync_every, fragments):
+    """Per-replica torch.optim.AdamW, then DiLoCo by hand: fragment f (leaves
+    ``fragments[f]``) synchronizes at the steps k with ``k - f * H // F`` a
+    non-negative multiple of H; the first averages the replicas, the later ones step
+    an outer Nesterov SGD on the mean of ``global - local``."""
+    initial = [p.detach() for p in model.parameters()]
+    local = [[p.clone().requires_grad_() for p in initial] for _ in range(R)]
+    inner = [torch.optim.AdamW(ps, lr=lr) for ps in local]
+    global_ = [p.clone() for p in initial]
+    outer = torch.optim.SGD(global_, lr=0.7, momentum=0.9, nesterov=True)
+    names = [n for n, _ in model.named_parameters()]
+    for k, (x, y) in enumerate(batches):
+        for r in range(R):
+            inner[r].zero_grad()
+            out = functional_call(model, dict(zip(names, local[r])), (x[r],))
+            torch.nn.functional.mse_loss(out, y[r]).backward()
+            inner[r].step()
+        for f, leaves in enumerate(fragments):
+            since = k - f * sync_every // len(fragments)
+            if since < 0 or since % sync_every:
+                continue
+            with torch.no_grad():
+                for i in leaves:
+                    if since == 0:  # the first synchronization: the replicas' mean
+                        global_[i].copy_(sum(local[r][i] for r in range(R)) / R)
+                    else:
+                        global_[i].grad = sum(global_[i] - local[r][i] for r in range(R)) / R
+                if since:
+                    saved = [global_[i] for i in range(len(global_)) if i not in leaves]
+                    grads = [g.grad for g in saved]
+                    for g in saved:
+                        g.grad = None  # this fragment's leaves only
+                    outer.step()
+                    for g, gr in zip(saved, grads):
+                        g.grad = gr
+                for i in leaves:
+                    global_[i].grad = None
+                    for r in range(R):
+                        local[r][i].copy_(global_[i])
+    return [torch.stack([local[r][i].detach() for r in range(R)]) for i in range(len(initial))], global_
+
+
+@pytest.mark.parametrize("outer", ["puredist.sgd", "the example's nesterov_sgd"])
+def test_one_vmapped_diloco_step_for_every_step_equals_per_replica_adamw_and_an_outer_nesterov_sgd(outer):
+    dtype, steps, lr = torch.float64, 7, 1e-2
+    model = _model(dtype)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    inner = puredist.adamw(lr)
+    nesterov = (puredist.sgd(0.7, momentum=0.9, nesterov=True) if outer == "puredist.sgd"
+                else _example().nesterov_sgd(0.7, 0.9))
+    diloco = puredist.outer_optimizer(nesterov, sync_every=2, fragments=2)
+    axes = (vmap_axes(inner.init(params)), vmap_axes(diloco.init(params)))  # the step (an int) unmapped
+    stacked = {n: p.expand(R, *p.shape).clone() for n, p in params.items()}
+    state = vmap(lambda p: (inner.init(p), diloco.init(p)), out_dims=axes)(stacked)  # one state per replica
+    assert vmap_axes(state) == axes
+
+    def step(p, s, x, y):  # written for one replica
+        g = grad(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p)
+        p, inner_state = inner.update(p, g, s[0])
+        p, outer_state = diloco.update(p, s[1], collective=VmapCollective(R))
+        return p, (inner_state, outer_state)
+
+    vmapped = vmap(step, in_dims=(0, axes, 0, 0), out_dims=(0, axes))  # one function for every step
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*performance drop.*")
+        for x, y in _batches(steps, dtype):
+            stacked, state = vmapped(stacked, state, x, y)
+            assert vmap_axes(state) == axes
+    # the model's leaves [w0 (32), b0 (8), w1 (16), b1 (2)]: fragment 0 is w0, fragment 1 the rest
+    expected, expected_global = _oracle(model, _batches(steps, dtype), lr, 2, [(0,), (1, 2, 3)])
+    assert state[1].step == steps
+    # under vmap Adam's bias corrections are taken from its fp32 step count: about 1e-5 of lr a step
+    for ours, theirs in zip(tree_leaves(stacked), expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * lr * steps)
+    for ours, theirs in zip(state[1].global_params, expected_global):
+        torch.testing.assert_close(ours, theirs.expand_as(ours), rtol=0, atol=1e-5 * lr * steps)
+    assert not torch.allclose(stacked["0.weight"], params["0.weight"].expand(R, 8, 4))  # it trained
+
+
+@functools.cache
+def _example():
+    """examples/jax_style_diloco.py as a module (its out-of-place outer Nesterov SGD),
+    registered as one (the compiler looks its functions' module up)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "jax_style_diloco.py"
+    spec = importlib.util.spec_from_file_location("jax_style_diloco", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled_and_eager(transform, steps):
+    """``(compiled, eager)`` runs of one vmapped step (inner SGD by hand, then
+    ``transform.update`` on a VmapCollective) from states made by ``vmap(init)``."""
+    model = _model()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    axes = vmap_axes(transform.init(params))
+    stacked = {n: p.expand(R, *p.shape).clone() for n, p in params.items()}
+    state = vmap(transform.init, out_dims=axes)(stacked)
+
+    def step(p, s, x, y):
+        g = grad(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p)
+        return transform.update(tree_map(lambda a, b: a - 0.1 * b, p, g), s, collective=VmapCollective(R))
+
+    vmapped = vmap(step, in_dims=(0, axes, 0, 0), out_dims=(0, axes))
+    compiled = torch.compile(vmapped, fullgraph=True, backend="aot_eager")
+    runs = []
+    for function in (compiled, vmapped):
+        run = (stacked, state)
+        for x, y in _batches(steps, torch.float32):
+            run = function(*run, x, y)
+        runs.append(run)
+    return runs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_the_whole_compiled_diloco_step_with_fragments_and_bf16_pseudo_gradients_equals_eager():
+    diloco = puredist.outer_optimizer(_example().nesterov_sgd(0.7, 0.9), sync_every=2, fragments=2, comm_dtype=torch.bfloat16)
+    compiled, eager = _compiled_and_eager(diloco, 5)
+    assert compiled[1].step == eager[1].step == 5
+    for ours, theirs in zip(tree_leaves((compiled[0], compiled[1][1:])), tree_leaves((eager[0], eager[1][1:]))):
+        assert torch.equal(ours, theirs)
+    assert any(b.abs().sum() > 0 for b in tree_leaves(compiled[1].outer_state))  # the outer step ran
+
+
+def test_the_whole_compiled_periodic_averaging_step_equals_eager():
+    compiled, eager = _compiled_and_eager(puredist.periodic_averager(2, warmup_steps=1), 4)
+    assert compiled[1] == eager[1] == puredist.AveragerState(step=4)
+    for ours, theirs in zip(tree_leaves(compiled[0]), tree_leaves(eager[0])):
+        assert torch.equal(ours, theirs)
+    assert torch.equal(compiled[0]["2.bias"], compiled[0]["2.bias"][:1].expand(R, 2))  # averaged at step 3
+
+
+def test_the_replicas_initial_copies_are_checked_through_the_vmap():
+    diloco = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2)
+    stacked = [torch.randn(R, 3)]
+    state = vmap(diloco.init, out_dims=vmap_axes(diloco.init([stacked[0][0]])))(stacked)
+    update = vmap(lambda p, s: diloco.update(p, s, collective=VmapCollective(R)),
+                  in_dims=(0, vmap_axes(state)), out_dims=(0, vmap_axes(state)))
+    with pytest.raises(puredist.RankMismatchError, match=r"tensors \[0\] differ between replicas"):
+        update(stacked, state)
+    same = [stacked[0][:1].expand(R, 3).clone()]
+    new, _ = update(same, vmap(diloco.init, out_dims=vmap_axes(state))(same))
+    assert torch.equal(new[0], same[0])  # the first synchronization of equal replicas: their mean
+
+
+def test_errors_name_the_fix():
+    diloco = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2)
+    stacked = [torch.ones(R, 3)]
+    with pytest.raises(RuntimeError, match=r"used outside torch.func.vmap.*use SimulatedCollective\(4\)"):
+        diloco.update(stacked, diloco.init(stacked), collective=VmapCollective(R))
+    with pytest.raises(ValueError, match=r"tensor 0 has shape \(4, 3\); simulated, every tensor is stacked \[3, "):
+        diloco.update(stacked, diloco.init(stacked), collective=SimulatedCollective(3))
+    with pytest.raises(TypeError, match="Arg ``state`` is a AveragerState, not an OuterState"):
+        diloco.update(stacked, puredist.AveragerState(step=0), collective=SimulatedCollective(R))
+    compressed = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2,
+                                          compressor=puredist.compression.int8_blocks())
+    with pytest.raises(ValueError, match="made by init of a transform with a compressor; this one has none"):
+        diloco.update(stacked, compressed.init(stacked), collective=SimulatedCollective(R))
+
+
+def test_replica_worlds_draw_named_tuples_printed_with_their_values():
+    from hypothesis import given, settings
+
+    from puredist.testing import ReplicaWorld, replica_worlds, shown
+
+    assert shown({"w": torch.tensor([0.5, -1.0])}) == "{'w': tensor(shape=(2,), torch.float32, [0.5, -1.0])}"
+    drawn = []
+
+    @settings(max_examples=3, database=None)
+    @given(replica_worlds(dtypes=(torch.float64,)))
+    def collect(world):
+        drawn.append(world)
+
+    collect()
+    for world in drawn:
+        replicas, group_size, tree = world
+        assert isinstance(world, ReplicaWorld) and (world.replicas, world.group_size) == (replicas, group_size)
+        assert repr(world) == f"ReplicaWorld(replicas={replicas}, group_size={group_size}, tree={shown(tree)})"
+
+
+def test_a_state_or_parameters_passed_to_vmap_with_the_wrong_dims_are_named():
+    diloco = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2)
+    stacked = [torch.ones(R, 3)]
+    axes = vmap_axes(diloco.init([stacked[0][0]]))
+    state = vmap(diloco.init, out_dims=axes)(stacked)
+    update = lambda p, s: diloco.update(p, s, collective=VmapCollective(R))  # noqa: E731
+    with pytest.raises(ValueError, match=r"a state stacked per replica passed unmapped\? Map it with in_dims="):
+        vmap(update, in_dims=(0, None), out_dims=(0, axes))(stacked, state)
+    with pytest.raises(ValueError, match=r"stacked parameters passed unmapped\? Map them \(in_dims=0\)"):
+        vmap(update, in_dims=(None, axes), out_dims=(0, axes))(stacked, state)
