@@ -434,7 +434,7 @@ def test_the_outer_update_under_a_transform_refuses_what_it_cannot_map():
     stacked = DILOCO.init(two_leaves)  # a global copy per replica, mapped: checked through the vmap
     from puredist.tree import vmap_axes
 
-    with pytest.raises(puredist.RankMismatchError, match=r"global copy made by init\): tensors \[0, 1\] differ"):
+    with pytest.raises(puredist.RankMismatchError, match=r"Tensors \[0, 1\] \(of 2\) differ between replicas.*the global copy made by init"):
         vmap(lambda p, s: DILOCO.update(p, s, collective=VmapCollective(replicas)),
              in_dims=(0, vmap_axes(stacked)))(two_leaves, stacked)
     # another collective cannot read a mapped copy on the host

@@ -182,7 +182,7 @@ def test_the_replicas_initial_copies_are_checked_through_the_vmap():
     state = vmap(diloco.init, out_dims=vmap_axes(diloco.init([stacked[0][0]])))(stacked)
     update = vmap(lambda p, s: diloco.update(p, s, collective=VmapCollective(R)),
                   in_dims=(0, vmap_axes(state)), out_dims=(0, vmap_axes(state)))
-    with pytest.raises(puredist.RankMismatchError, match=r"tensors \[0\] differ between replicas"):
+    with pytest.raises(puredist.RankMismatchError, match=r"Tensors \[0\] \(of 1\) differ between replicas"):
         update(stacked, state)
     same = [stacked[0][:1].expand(R, 3).clone()]
     new, _ = update(same, vmap(diloco.init, out_dims=vmap_axes(state))(same))
