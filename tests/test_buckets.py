@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from puredist._buckets import plan_buckets
+from puredist.staging.plan import plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -81,7 +81,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
     half of 256 MiB, all others (host tensors, a GPU's over Gloo) in buckets of half of
     32 MiB (the meta device stands for a GPU here: it has no data). Brute force: the
     bucket sizes a run launches, per device."""
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     class Done:
         def wait(self):
@@ -106,7 +106,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
 def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     """An asynchronous run's buffers are kept for the next one up to the cap of their
     own device: the host's 32 MiB are not used up by a GPU's (meta stands for one)."""
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     class Done:
         def wait(self):
