@@ -24,8 +24,9 @@ rank check, or finish it in the gate.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -47,6 +48,24 @@ def no_scaling(buffer: torch.Tensor) -> tuple[None, None]:
     return None, None
 
 
+class StagingOptions(NamedTuple):
+    """What one run does with each of its buckets (the same for all of them).
+
+    Attributes:
+        what: the operation, for errors.
+        pack: copy the tensors' values into the buffer first (a broadcast receiver
+            does not: the collective only writes it).
+        scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
+            ahead of the collective and by ``after`` once it is done (``None``: no).
+        write_back: copy the result into the tensors (a broadcast source does not).
+    """
+
+    what: str
+    pack: bool
+    scales: Scales
+    write_back: bool
+
+
 class _BucketInFlight:
     """One bucket's staging buffer, its collective, and how to write it back: packed
     when made, its collective started by :meth:`start`.
@@ -58,18 +77,15 @@ class _BucketInFlight:
             dtype), its views and the call that releases it once it is written back
             (not after a failure: the backend may still hold it) or ``None``; not
             called for a bucket sent from the tensor's own storage.
-        pack: copy the tensors' values into the buffer first (a broadcast receiver
-            does not: the collective only writes it).
-        scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
-            ahead of the collective and by ``after`` once it is done (``None``: no).
-        write_back: copy the result into the tensors (a broadcast source does not).
+        options: whether to pack, scale and write back.
     """
 
     def __init__(self, bucket: BucketLayout, tensors, staging: Callable[[], tuple[torch.Tensor, list, object]],
-                 *, pack: bool, scales: Scales, write_back: bool):
+                 options: StagingOptions):
         self.bucket = bucket
         self._targets = bucket.targets(tensors)
-        scale_before, self._scale_after = scales(self._targets[0])
+        scale_before, self._scale_after = options.scales(self._targets[0])
+        pack, write_back = options.pack, options.write_back
         self._write_back = write_back
         self._release = None
         if pack and not write_back and scale_before is None and len(self._targets) == 1 and self._targets[0].is_contiguous():
@@ -125,9 +141,9 @@ class _Progress:
     """How many buckets, in plan order, hold their result so far; the elements of
     each tensor they cover are counted only for an error."""
 
-    def __init__(self, buckets: Sequence[BucketLayout], numels: Callable[[], list[int]], what: str) -> None:
+    def __init__(self, buckets: Sequence[BucketLayout], tensors: Sequence[torch.Tensor], what: str) -> None:
         self.buckets = buckets
-        self.numels = numels
+        self.tensors = tensors
         self.what = what
         self.done = 0
 
@@ -135,7 +151,7 @@ class _Progress:
         self.done += 1
 
     def error(self, failed_bucket: int | None, cause: BaseException) -> CollectiveError:
-        totals = self.numels()
+        totals = [t.numel() for t in self.tensors]
         completed = [0] * len(totals)
         for bucket in self.buckets[: self.done]:
             for piece in bucket.planned.pieces:
@@ -227,7 +243,7 @@ def run_staged(
         what: the operation, for errors.
         async_op: return a handle instead of blocking.
         pool: the staging memory.
-        pack, scales, write_back: see :class:`_BucketInFlight`. A bucket that is one
+        pack, scales, write_back: see :class:`StagingOptions`. A bucket that is one
             contiguous piece, packed and not written back (a broadcast source), is sent
             from the tensor's own storage.
         alone_from: see :func:`~puredist.staging.plan.plan_buckets`.
@@ -245,89 +261,127 @@ def run_staged(
         CollectiveError: (blocking runs) a collective failed; the error says which
             elements hold the result.
     """
-    gates = [gate] if gate is not None else []
+    options = StagingOptions(what, pack, scales, write_back)
+    run = (_Run if async_op else _BlockingRun)(tensors, launch, options, pool, gate)
     try:
-        return _run_staged(tensors, bucket_cap_bytes, launch, layout, what, async_op, pack, pool, scales,
-                           write_back, alone_from, gates)
+        layout = layout if layout is not None else layout_of(tensors)
+        caps = bucket_cap_bytes if bucket_cap_bytes is not None else pool.policy
+        buckets = layout.derived(("buckets", caps, alone_from),
+                                 lambda: _planned(tensors, bucket_cap_bytes, alone_from, pool))
+        if async_op:
+            return run.handle(buckets)
+        needed = layout.derived(("staging bytes", caps, alone_from), lambda: staging_bytes(buckets))
+        run.complete(buckets, {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()})
+        return None
     except Exception:  # (not an interrupt: the check may wait for its peers)
-        if gates:
-            gates.pop()()  # (the check's own error, if any, wins)
+        run.pass_gate()  # (the check's own error, if any, wins)
         raise
 
 
-def _run_staged(tensors, bucket_cap_bytes, launch, layout, what, async_op, pack, pool, scales, write_back,
-                alone_from, gates: list[Callable[[], None]]) -> CollectiveHandle | None:
-    """:func:`run_staged`'s body; ``gates`` holds the gate until it is passed."""
+def _planned(tensors: Sequence[torch.Tensor], bucket_cap_bytes: int | None, alone_from: int | None,
+             pool: StagingPool) -> tuple[BucketLayout, ...]:
+    """The buckets of ``tensors``: half of ``bucket_cap_bytes`` each (else half of the
+    pool's capacity on their device), with their layouts."""
     def bucket_bytes(device: torch.device) -> int:
         return max(1, (bucket_cap_bytes if bucket_cap_bytes is not None else pool.capacity(device)) // 2)
 
-    caps = bucket_cap_bytes if bucket_cap_bytes is not None else pool.policy
-    layout = layout if layout is not None else layout_of(tensors)
-    buckets = layout.derived(
-        ("buckets", caps, alone_from),
-        lambda: bucket_layouts(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from)),
-    )
-    progress = _Progress(buckets, lambda: [t.numel() for t in tensors], what)
+    return bucket_layouts(tensors, plan_buckets(tensors, bucket_bytes, alone_from=alone_from))
 
-    def through_gate() -> None:
-        if gates:
-            gates.pop()()  # (raises as it is: nothing was sent)
 
-    def started(bucket: BucketLayout, staging: Callable,
-                failed: Callable[[int, BaseException], CollectiveError]) -> _BucketInFlight:
+class _Run:
+    """One asynchronous call of :func:`run_staged`: the gate until it is passed, and
+    each bucket packed into a buffer of its own and started; base of
+    :class:`_BlockingRun`."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], launch: Launch, options: StagingOptions, pool: StagingPool,
+                 gate: Callable[[], None] | None) -> None:
+        self.tensors = tensors
+        self.launch = launch
+        self.options = options
+        self.pool = pool
+        self.progress: _Progress | None = None  # (set once the buckets are known)
+        self._gate = gate
+
+    def pass_gate(self) -> None:
+        """Call the gate unless it was called (what it raises propagates as it is:
+        nothing was sent)."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate()
+
+    def failed(self, position: int, cause: BaseException) -> CollectiveError:
+        """The error for a failure at bucket ``position``, saying what was written."""
+        return self.progress.error(position, cause)
+
+    def start(self, bucket: BucketLayout, staging: Callable) -> _BucketInFlight:
         """``bucket`` packed (the gate passed after the first) and its collective started."""
         try:
-            flight = _BucketInFlight(bucket, tensors, staging, pack=pack, scales=scales, write_back=write_back)
+            flight = _BucketInFlight(bucket, self.tensors, staging, self.options)
         except Exception as cause:  # noqa: BLE001 - packing failed: say what was left
-            raise failed(bucket.position, cause) from cause
+            raise self.failed(bucket.position, cause) from cause
         try:
-            through_gate()
+            self.pass_gate()
         except BaseException:
             flight.discard()
             raise
         try:
-            flight.start(launch)
+            flight.start(self.launch)
         except Exception as cause:  # noqa: BLE001 - launching failed: say what was left
-            raise failed(bucket.position, cause) from cause
+            raise self.failed(bucket.position, cause) from cause
         return flight
 
-    if async_op:
-        launched = [(started(bucket, lambda bucket=bucket: pool.take(bucket), progress.error), progress)
+    def handle(self, buckets: Sequence[BucketLayout]) -> CollectiveHandle:
+        """Every bucket started, each in a buffer :meth:`StagingPool.take` gives."""
+        self.progress = _Progress(buckets, self.tensors, self.options.what)
+        launched = [(self.start(bucket, functools.partial(self.pool.take, bucket)), self.progress)
                     for bucket in buckets]
-        through_gate()  # (no bucket: nothing to send)
+        self.pass_gate()  # (no bucket: nothing to send)
         return CollectiveHandle(launched)
-    needed = layout.derived(("staging bytes", caps, alone_from), lambda: staging_bytes(buckets))
-    room = {device: pool.reserve(nbytes, device) for device, nbytes in needed.items()}
-    pending: deque[tuple[_BucketInFlight, tuple[torch.device, int, int]]] = deque()
 
-    def failed(position: int, cause: BaseException) -> CollectiveError:
-        pool.abandon()  # collectives still in flight may write into it
-        return progress.error(position, cause)
 
-    def finish_oldest() -> None:
-        flight, _ = pending.popleft()
+class _BlockingRun(_Run):
+    """One blocking call of :func:`run_staged`: buckets placed in the pool's ring in
+    plan order, each written back as soon as its collective is done."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.pending: deque[tuple[_BucketInFlight, tuple[torch.device, int, int]]] = deque()
+
+    def failed(self, position: int, cause: BaseException) -> CollectiveError:
+        self.pool.abandon()  # collectives still in flight may write into it
+        return super().failed(position, cause)
+
+    def finish_oldest(self) -> None:
+        """Wait for the oldest bucket in flight and write it back."""
+        flight, _ = self.pending.popleft()
         try:
             flight.wait()
             flight.write_back()
         except Exception as cause:  # noqa: BLE001 - re-raised with what was left
-            raise failed(flight.position, cause) from cause
-        progress.written()
+            raise self.failed(flight.position, cause) from cause
+        self.progress.written()
 
-    for bucket in buckets:
-        nbytes = bucket.planned.nbytes
-        oversized = nbytes > room[bucket.device]  # one non-contiguous tensor larger than the cap
-        while True:  # wait for room: in the pool, or (oversized) for everything in flight
-            offset = None if oversized else pool.place(nbytes, bucket.device, [r for _, r in pending])
-            if offset is not None or (oversized and not pending):
-                break
-            finish_oldest()
-        if oversized:
-            take, region = (lambda bucket=bucket: fresh_buffer(bucket)), (bucket.device, 0, 0)
-        else:
-            take = lambda bucket=bucket, offset=offset: (*pool.staged(bucket, offset), None)  # noqa: E731
-            region = (bucket.device, offset, offset + nbytes)
-        pending.append((started(bucket, take, failed), region))
-    through_gate()
-    while pending:
-        finish_oldest()
-    return None
+    def complete(self, buckets: Sequence[BucketLayout], room: Mapping[torch.device, int]) -> None:
+        """Run every bucket, with ``room[device]`` bytes of the pool's ring on its device."""
+        self.progress = _Progress(buckets, self.tensors, self.options.what)
+        for bucket in buckets:
+            nbytes = bucket.planned.nbytes
+            oversized = nbytes > room[bucket.device]  # one non-contiguous tensor larger than the cap
+            while True:  # wait for room: in the pool, or (oversized) for everything in flight
+                offset = None if oversized else self.pool.place(nbytes, bucket.device, [r for _, r in self.pending])
+                if offset is not None or (oversized and not self.pending):
+                    break
+                self.finish_oldest()
+            if oversized:
+                staging, region = functools.partial(fresh_buffer, bucket), (bucket.device, 0, 0)
+            else:
+                staging = functools.partial(self._ring, bucket, offset)
+                region = (bucket.device, offset, offset + nbytes)
+            self.pending.append((self.start(bucket, staging), region))
+        self.pass_gate()
+        while self.pending:
+            self.finish_oldest()
+
+    def _ring(self, bucket: BucketLayout, offset: int) -> tuple[torch.Tensor, list[torch.Tensor], None]:
+        """The pool's ring buffer at ``offset`` for ``bucket`` (nothing to release)."""
+        return (*self.pool.staged(bucket, offset), None)
