@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from puredist._buckets import plan_buckets
+from puredist.staging.plan import plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -81,7 +81,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
     half of 256 MiB, all others (host tensors, a GPU's over Gloo) in buckets of half of
     32 MiB (the meta device stands for a GPU here: it has no data). Brute force: the
     bucket sizes a run launches, per device."""
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     class Done:
         def wait(self):
@@ -106,7 +106,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
 def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     """An asynchronous run's buffers are kept for the next one up to the cap of their
     own device: the host's 32 MiB are not used up by a GPU's (meta stands for one)."""
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     class Done:
         def wait(self):
@@ -122,3 +122,30 @@ def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     host = [ptr for ptr in seen if ptr != 0]  # (meta tensors have no data)
     assert len(host) == 2 and host[0] == host[1]  # the host's spare was kept and reused
     assert pool._spare_bytes == {torch.device("cpu"): mib, torch.device("meta"): 100 * mib}
+
+
+def test_staging_and_the_errors_import_what_their_contracts_allow_and_form_no_cycle():
+    """The contracts, checked on the imports themselves (``TYPE_CHECKING`` ones
+    included): ``puredist.errors`` imports nothing of puredist (every module may raise
+    its errors) nor torchft (optional); the plan reads metadata only (nothing of
+    puredist); staging talks to other ranks only through the ``launch`` and ``gate`` it
+    is given (no ``torch.distributed``) and checks nothing (no validation module); its
+    modules import none that imports them back."""
+    import pathlib
+
+    import puredist.errors
+    import puredist.staging
+    from import_rules import cycles, imports_of, package_imports
+
+    errors = imports_of(pathlib.Path(puredist.errors.__file__))
+    assert not {m for m in errors if m.split(".")[0] in ("puredist", "torchft")}, sorted(errors)
+    graph = package_imports(pathlib.Path(puredist.staging.__file__).parent, "puredist.staging")
+    assert set(graph) == {"puredist.staging", "puredist.staging.plan", "puredist.staging.pool", "puredist.staging.run"}
+    allowed = {"puredist._layout", "puredist.errors"}
+    for name, imported in graph.items():
+        ours = {m for m in imported if m.split(".")[0] == "puredist" and not m.startswith("puredist.staging")}
+        assert ours <= allowed, f"{name} imports {sorted(ours - allowed)}"
+        assert not any(m.startswith("torch.distributed") for m in imported), name
+    assert not {m for m in graph["puredist.staging.plan"] if m.split(".")[0] == "puredist"}
+    within = {name: {m for m in imported if m.startswith("puredist.staging.")} for name, imported in graph.items()}
+    assert not cycles(within), f"import cycles through {cycles(within)}"

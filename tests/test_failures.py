@@ -158,12 +158,12 @@ def test_a_peer_gone_before_the_rank_check_is_a_collective_error_that_changed_no
 
 
 def _staging_fails_on_one_rank_of_a_mismatch(rank, world_size, async_op):
-    import puredist._staged as staged
+    import puredist.staging.pool as staging_pool
 
     if rank == 0:  # its first bucket cannot be staged, after its rank check has been sent
         def out_of_memory(*args, **kwargs):
             raise torch.OutOfMemoryError("injected: no staging memory")
-        staged._staging_memory = out_of_memory
+        staging_pool._staging_memory = out_of_memory
     collective = DistributedCollective()
     x = torch.ones(4 + rank)  # the ranks' layouts differ
     for _ in range(2):  # and again, as a loop that catches the error would
@@ -185,7 +185,7 @@ class _Done:
 
 
 def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     pool = StagingPool(64)
     calls = []
@@ -209,7 +209,7 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
 def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective(async_op, monkeypatch):
     # the rank check's second half: its round trip overlaps the first bucket's packing, and its error
     # leaves every tensor as it was, with no collective started
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
     events = []
@@ -247,7 +247,7 @@ def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective
 
 
 def test_the_gate_is_passed_where_there_is_no_bucket():
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     passed = []
     for async_op in (False, True):
@@ -262,7 +262,7 @@ class _Failed:
 
 
 def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.ones(40)]  # 160 bytes: 5 buckets of 32
@@ -287,7 +287,7 @@ def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
 
 def test_an_async_run_whose_later_bucket_fails_writes_none_of_the_buckets_that_succeeded():
     # deterministic, where the job above races: buckets 1 and 2 of 5 succeed, bucket 3 fails at its wait
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
@@ -348,17 +348,17 @@ def test_an_averaging_started_in_inference_mode_and_waited_outside_writes_every_
 
 
 def test_a_write_back_that_raises_is_a_collective_error_saying_what_was_written(monkeypatch):
-    from puredist import _staged
-    from puredist._staged import StagingPool, run_staged
+    from puredist.staging import StagingPool, run_staged
+    from puredist.staging.run import _BucketInFlight
 
-    real = _staged._Bucket.write_back
+    real = _BucketInFlight.write_back
 
     def third_fails(bucket):
         if bucket.position == 2:
             raise RuntimeError("injected write-back failure")
         real(bucket)
 
-    monkeypatch.setattr(_staged._Bucket, "write_back", third_fails)
+    monkeypatch.setattr(_BucketInFlight, "write_back", third_fails)
     for async_op in (False, True):
         tensors, handles = [torch.arange(40.0)], []  # 160 bytes: 5 buckets of 32
 

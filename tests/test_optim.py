@@ -487,29 +487,17 @@ def test_the_optim_package_imports_no_distribution_and_its_modules_form_no_cycle
     """Its contract ("must not communicate"), checked on the imports themselves (those
     under ``TYPE_CHECKING`` included): nothing of the collectives, ZeRO or DiLoCo, and
     no module of the package imports one that imports it back."""
-    import ast
     import pathlib
 
-    package = pathlib.Path(puredist.optim.__file__).parent
+    from import_rules import cycles, package_imports
+
+    graph = package_imports(pathlib.Path(puredist.optim.__file__).parent, "puredist.optim")
     allowed = {"puredist._docs", "puredist._dtensors", "puredist._inputs", "puredist._seq", "puredist.tree"}
-    graph = {}
-    for path in sorted(package.glob("*.py")):
-        name = "puredist.optim" if path.stem == "__init__" else f"puredist.optim.{path.stem}"
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                imported.add(node.module)
-            elif isinstance(node, ast.Import):
-                imported.update(alias.name for alias in node.names)
+    for name, imported in graph.items():
         ours = {m for m in imported if m.split(".")[0] == "puredist"}
         outside = ours - allowed - {m for m in ours if m.startswith("puredist.optim")}
         assert not outside, f"{name} imports {sorted(outside)}"
         assert not any(m.startswith("torch.distributed") for m in imported), name
-        graph[name] = {m for m in ours if m.startswith("puredist.optim.")}
-
-    def reaches(start, goal, seen=()):
-        return any(m == goal or (m not in seen and reaches(m, goal, (*seen, m))) for m in graph.get(start, ()))
-
-    cycles = [name for name in graph if name != "puredist.optim" and reaches(name, name)]
-    assert not cycles, f"import cycles through {cycles}"
+    within = {name: {m for m in imported if m.startswith("puredist.optim.")} for name, imported in graph.items()}
+    assert not cycles(within), f"import cycles through {cycles(within)}"
     assert len(graph) >= 8  # every module was read

@@ -27,7 +27,6 @@ This module only re-exports them.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from puredist._consistency import RankMismatchError
 from puredist.averaging import (
     Averager,
     AveragerState,
@@ -37,6 +36,7 @@ from puredist.averaging import (
     hierarchical_averager,
     periodic_averager,
 )
+from puredist.errors import RankMismatchError
 from puredist.compression import (
     CompressedAverager,
     CompressionState,

@@ -29,22 +29,7 @@ import torch.distributed as dist
 
 from puredist._dtensors import local_shard
 from puredist._layout import Layout, digest, layout_of
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks of one process group passed different tensor lists to one collective.
-
-    Attributes:
-        ranks: the group's ranks (global), in group order (empty where not gathered).
-        contexts: each rank's context, in the same order.
-        layouts_differ: whether the tensors differ (else only the contexts do).
-    """
-
-    def __init__(self, message: str, *, ranks=(), contexts=(), layouts_differ: bool = False) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-        self.contexts = tuple(contexts)
-        self.layouts_differ = layouts_differ
+from puredist.errors import RankMismatchError
 
 
 REFUSED = " | refused: "

@@ -1,7 +1,7 @@
 """What a list of tensors' metadata decides, worked out once and reused.
 
 Validation (:mod:`puredist._inputs`), the rank check's layout summary
-(:mod:`puredist._consistency`) and the bucket plan (:mod:`puredist._buckets`) depend
+(:mod:`puredist._consistency`) and the bucket plan (:mod:`puredist.staging.plan`) depend
 only on the tensors' metadata: addresses, shapes, strides, dtypes and devices. A
 training loop passes the same tensors every step, so all of it is computed at the
 first call and looked up afterwards: a call's host work is then a read of each

@@ -43,23 +43,14 @@ import torch
 import torch.distributed as dist
 
 from puredist._autograd import AllReduceMean
-from puredist._consistency import (
-    RankMismatchError, check_same_values_on_all_ranks, start_rank_check, with_refusal,
-)
+from puredist._consistency import check_same_values_on_all_ranks, start_rank_check, with_refusal
 from puredist._groups import mesh_groups, subgroup, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction
-from puredist._staged import (
-    DEVICE_BUCKET_CAP_BYTES,
-    HOST_BUCKET_CAP_BYTES,
-    CollectiveError,
-    CollectiveHandle,
-    StagingPool,
-    nothing_changed,
-    run_staged,
-)
 from puredist._validation import check_bucket_cap_bytes
+from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
+from puredist.staging import DEVICE_BUCKET_CAP_BYTES, HOST_BUCKET_CAP_BYTES, CollectiveHandle, StagingPool, run_staged
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

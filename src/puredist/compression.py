@@ -55,12 +55,12 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import REFUSED, RankMismatchError, refusals, with_refusal
+from puredist._consistency import REFUSED, refusals, with_refusal
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
-from puredist._staged import CollectiveError, nothing_changed
+from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._docs import fields_documented
 

@@ -1,6 +1,8 @@
 """The ZeRO plan: which rank owns (updates, and holds optimizer state for) which
 parameter. A pure, deterministic function of the parameters' sizes, the world size
-and optionally a bucket layout: every rank computes the same plan, no communication.
+and optionally DDP's gradient buckets (lists of parameter indices, as DDP groups the
+gradients it all-reduces: not the staging buckets of :mod:`puredist.staging`): every
+rank computes the same plan, no communication.
 
 Strategies (the load of a rank is the number of elements it owns):
 

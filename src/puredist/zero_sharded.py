@@ -45,7 +45,8 @@ from puredist.collectives import (
     CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective, refuse_on_all_ranks,
 )
 from puredist.replicas import VmapCollective
-from puredist._consistency import RankMismatchError, refusals, with_refusal
+from puredist._consistency import refusals, with_refusal
+from puredist.errors import RankMismatchError
 from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 from puredist._bound import bound

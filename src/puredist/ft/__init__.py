@@ -11,7 +11,8 @@ DiLoCo whose synchronizations survive replica groups that die, restart and heal.
 This package must not be imported by the rest of puredist (torchft is optional).
 """
 
-from puredist.ft.collective import HealFailed, Healed, ManagerCollective
+from puredist.errors import HealFailed, Healed
+from puredist.ft.collective import ManagerCollective
 from puredist.ft.outer import FaultTolerantOuter
 from puredist.ft.setup import replica_manager
 

@@ -33,48 +33,16 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from puredist._consistency import REFUSED, RankMismatchError, _value_digest
+from puredist._consistency import REFUSED, _value_digest
 from puredist._inputs import checked, checked_for_reduction
-from puredist._staged import CollectiveError, CollectiveHandle, nothing_changed
 from puredist.collectives import divides_first
+from puredist.errors import CollectiveError, HealFailed, Healed, RankMismatchError, nothing_changed
+from puredist.staging import CollectiveHandle
 
 __all__ = ["HealFailed", "Healed", "ManagerCollective"]
 
 _DIGEST_BITS = 20
 """Each digest's width: ``c * h**2`` stays exact in float64 for up to 2**13 replicas."""
-
-
-class Healed(Exception):
-    """The quorum a :class:`ManagerCollective` started healed this replica (the manager
-    has called the registered ``load_state_dict`` functions). Built with
-    ``restart_on_heal=True``, it raises at once: nothing was reduced, and the quorum
-    stays open for the caller's next reduction, which this replica joins with zeros
-    (it must be the reduction its peers are running, from their state). Without, it
-    takes part with zeros and raises once the vote is done, also where the step failed
-    (the failure as its ``__cause__``: the heal stands all the same): its tensors were not
-    written, and its peers' reduction completes where it was the same reduction
-    (the same tensors' layout; with a different one, from its stale schedule, the
-    all-reduce fails at the backend's timeout on every replica)."""
-
-
-class HealFailed(RuntimeError):
-    """A quorum healed this replica from a peer (torchft took the peer's step and
-    history), but the peer's state did not load: a ``load_state_dict`` function
-    registered with the manager raised (its error is the ``__cause__``), or, in
-    :class:`~puredist.ft.FaultTolerantOuter`, the transform's checked load. The replica
-    is at its peers' step with its own, stale state, so it cannot rejoin with this
-    manager: every later reduction of its collective raises this again, communicating
-    nothing (a stale member would otherwise be averaged in, or make every replica
-    fail the rank check). Stop the manager (``manager.shutdown()``) or exit: while it
-    heartbeats, the lighthouse holds its peers' quorums for it. Restart the replica
-    group."""
-
-    def again(self) -> "HealFailed":
-        """A new error with this one's message and cause, to raise at a later call
-        (re-raising this one would grow its traceback at every call)."""
-        renewed = HealFailed(str(self))
-        renewed.__cause__ = self.__cause__
-        return renewed
 
 
 def _digests(text: str) -> tuple[int, int]:

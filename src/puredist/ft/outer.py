@@ -24,9 +24,9 @@ from typing import Any, NoReturn
 import torch
 
 from puredist._bound import options_of
-from puredist._staged import CollectiveError
 from puredist.averaging import _float_leaves
-from puredist.ft.collective import HealFailed, Healed, ManagerCollective
+from puredist.errors import CollectiveError, HealFailed, Healed
+from puredist.ft.collective import ManagerCollective
 from puredist.outer.state import OuterState, OuterTransform
 from puredist.tree import PyTree
 
