@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 from puredist.demo.fault_tolerant import FAULT_TOLERANT
-from puredist.demo.training import ALGORITHMS, TASKS
+from puredist.demo.knobs import KNOB_OPTIONS, Knobs, check_knobs
+from puredist.demo.training import ALGORITHMS, STREAMING_DELAY, TASKS
 
 EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
 DEFAULT_FAULT_TOLERANT = ("diloco_ft",)
@@ -95,7 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the workers train (default cpu). cuda: NCCL with a GPU per worker when the machine has as many "
              "(bytes are then counted for Gloo's traffic only: the rank checks), else every worker on GPU 0 over Gloo",
     )
+    _add_knobs(parser)
     return parser
+
+
+def _add_knobs(parser: argparse.ArgumentParser) -> None:
+    """The options of what a DiLoCo study varies (:mod:`puredist.demo.knobs`)."""
+    group = parser.add_argument_group("what a DiLoCo study varies")
+    for option, (kind, metavar, text) in KNOB_OPTIONS.items():
+        group.add_argument(option, type=kind, default=None, metavar=metavar, help=text)
+
+
+def _knobs(args: argparse.Namespace) -> Knobs:
+    return Knobs(*(getattr(args, option[2:].replace("-", "_")) for option in KNOB_OPTIONS))
 
 
 def _writable_folder(path: Path) -> str | None:
@@ -117,13 +130,17 @@ def _run_config(args: argparse.Namespace, task) -> dict:
     import torch
 
     from puredist import __version__
-    from puredist.demo.training import OUTER_OPTIONS, STREAMING_DELAY, STREAMING_FRAGMENTS
+    from puredist.demo.knobs import block_size, knobs_task, outer_options
+    from puredist.demo.training import STREAMING_DELAY, STREAMING_FRAGMENTS
 
+    knobs = _knobs(args)
+    task = knobs_task(task, knobs)
     return {
         "task": args.task, "steps": args.steps, "seed": args.seed, "world_size": args.world_size,
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "period": task.period, "warmup_steps": task.warmup_steps,
-        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": OUTER_OPTIONS,
+        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs),
+        "block_size": block_size(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
@@ -168,7 +185,7 @@ def _launch(args: argparse.Namespace) -> dict:
         start_method="spawn",
     )
     job = {"task": args.task, "steps": args.steps, "seed": args.seed, "device": args.device, "backend": args.backend,
-           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT]}
+           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT], "knobs": tuple(_knobs(args))}
     results = elastic_launch(config, worker_main)(job) if job["algorithms"] else {r: {} for r in range(args.world_size)}
     for algorithm in args.algorithms:
         if algorithm in FAULT_TOLERANT:
@@ -248,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.backend = "cpu:gloo,cuda:nccl" if gpus >= args.world_size else "gloo"
         where = (f"{args.world_size} of {gpus} {torch.cuda.get_device_name(0)} GPUs (NCCL)" if gpus >= args.world_size
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
-    problem = _choose_algorithms(args)
+    problem = _choose_algorithms(args) or check_knobs(_knobs(args), args.algorithms, STREAMING_DELAY)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
