@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-gpu gpu-check demo bench bench-gpu install upstream docs
+.PHONY: test test-gpu gpu-check demo bench bench-lm bench-gpu install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
@@ -37,6 +37,10 @@ docs: install
 
 demo: install
 	$(PY) -m puredist demo $(ARGS)
+
+# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (~35 min on 2 cores)
+bench-lm: install
+	$(PY) benchmarks/bench_lm.py $(ARGS)
 
 bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_averaging.py
