@@ -38,7 +38,7 @@ docs: install
 demo: install
 	$(PY) -m puredist demo $(ARGS)
 
-# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (~35 min on 2 cores)
+# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 25 min alone on 2 cores)
 bench-lm: install
 	$(PY) benchmarks/bench_lm.py $(ARGS)
 
