@@ -63,6 +63,7 @@ def outer_options(knobs: Knobs) -> dict:
 
 
 def block_size(knobs: Knobs) -> int:
+    """The int8 and 4-bit codecs' values per scale: the knob, else :data:`BLOCK_SIZE`."""
     return BLOCK_SIZE if knobs.block_size is None else knobs.block_size
 
 
