@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-gpu gpu-check demo bench bench-links bench-gpu install upstream docs
+.PHONY: test test-gpu gpu-check demo bench bench-links bench-lm bench-gpu install upstream docs
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
@@ -43,6 +43,10 @@ demo: install
 bench-links: install
 	command -v tc >/dev/null || apt-get install -y iproute2
 	$(PY) -m puredist demo --link 20mbit,100mbit --output out/links $(ARGS)
+
+# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 25 min alone on 2 cores)
+bench-lm: install
+	$(PY) benchmarks/bench_lm.py $(ARGS)
 
 bench: install
 	cd benchmarks && ../$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench_averaging.py

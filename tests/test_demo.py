@@ -152,6 +152,17 @@ def _projected(row, steps, compute, link, world_size):
         (["--steps", "many"], "--steps: expected a whole number"),
         (["--algorithms", "ddp,sparkle"], "unknown algorithm(s) ['sparkle']"),
         (["--task", "poetry"], "--task: invalid choice: 'poetry'"),
+        (["--sync-every", "0"], "argument --sync-every: must be a whole number of steps, at least 1, got 0"),
+        (["--sync-every", "1.5"], "argument --sync-every: expected a whole number, got '1.5'"),
+        (["--warmup-steps", "-1"], "argument --warmup-steps: must be a whole number of steps, at least 0, got -1"),
+        (["--inner-lr", "0"], "argument --inner-lr: must be a finite number above 0, got 0"),
+        (["--inner-lr", "inf"], "argument --inner-lr: must be a finite number above 0, got inf"),
+        (["--outer-lr", "-0.7"], "argument --outer-lr: must be a finite number above 0, got -0.7"),
+        (["--outer-lr", "fast"], "argument --outer-lr: expected a number, got 'fast'"),
+        (["--outer-momentum", "1"], "argument --outer-momentum: must be a number in [0, 1), got 1"),
+        (["--outer-momentum", "nan"], "argument --outer-momentum: must be a number in [0, 1), got nan"),
+        (["--block-size", "63"], "argument --block-size: must be an even whole number, at least 2"),
+        (["--block-size", "0"], "argument --block-size: must be an even whole number, at least 2"),
     ],
 )
 def test_bad_options_give_a_message_and_exit_2(options, message, capsys):
@@ -159,6 +170,31 @@ def test_bad_options_give_a_message_and_exit_2(options, message, capsys):
         cli.main(options)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_period_streaming_cannot_overlap_is_refused_before_any_worker_starts(tmp_path, capsys):
+    assert cli.main(["--algorithms", "ddp,streaming", "--sync-every", "2", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--sync-every 2: streaming applies a synchronization 2 steps after it starts" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_study_options_reach_the_workers_and_the_record(tmp_path):
+    options = ["--world-size", "2", "--steps", "20", "--algorithms", "periodic,diloco_int4", "--sync-every", "5",
+               "--warmup-steps", "3", "--inner-lr", "0.02", "--outer-lr", "0.5", "--outer-momentum", "0.25",
+               "--block-size", "32"]
+    _, runs = run_demo(tmp_path, *options, timeout=240)
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert (config["period"], config["warmup_steps"], config["block_size"]) == (5, 3, 32)
+    assert config["optimizer_options"] == {"lr": 0.02, "momentum": 0.9}
+    assert config["outer_options"] == {"lr": 0.5, "momentum": 0.25, "nesterov": True}
+    # torch's periodic rule at each averager's count (step - 1): count >= warmup and (count - warmup) % H == 0;
+    # a synchronization sends kilobytes (the 4810-parameter model: 20 KB in fp32, 4 KB in 4-bit), the compressed
+    # path's first call only its layout digest (a few hundred bytes)
+    expected = [k for k in range(1, 21) if k - 1 >= 3 and (k - 1 - 3) % 5 == 0]
+    for algorithm in ("periodic", "diloco_int4"):
+        synchronized = [k for k, sent in enumerate(runs[algorithm]["step_bytes"], start=1) if sent > 1024]
+        assert synchronized == expected, (algorithm, runs[algorithm]["step_bytes"])
 
 
 def test_an_unwritable_output_folder_is_refused_before_any_worker_starts(tmp_path, capsys):

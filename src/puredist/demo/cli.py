@@ -23,7 +23,8 @@ from typing import Sequence
 
 from puredist.demo import links
 from puredist.demo.fault_tolerant import FAULT_TOLERANT
-from puredist.demo.training import ALGORITHMS, TASKS
+from puredist.demo.knobs import KNOB_OPTIONS, Knobs, check_knobs
+from puredist.demo.training import ALGORITHMS, STREAMING_DELAY, TASKS
 
 EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
 DEFAULT_FAULT_TOLERANT = ("diloco_ft",)
@@ -109,7 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
              "one bridge, its egress shaped by tbf to RATE (e.g. 20mbit,100mbit; needs root and iproute2), the "
              "fault-tolerant algorithms left out; report the measured time beside the network model's projection",
     )
+    _add_knobs(parser)
     return parser
+
+
+def _add_knobs(parser: argparse.ArgumentParser) -> None:
+    """The options of what a DiLoCo study varies (:mod:`puredist.demo.knobs`)."""
+    group = parser.add_argument_group("what a DiLoCo study varies")
+    for option, (kind, metavar, text) in KNOB_OPTIONS.items():
+        group.add_argument(option, type=kind, default=None, metavar=metavar, help=text)
+
+
+def _knobs(args: argparse.Namespace) -> Knobs:
+    return Knobs(*(getattr(args, option[2:].replace("-", "_")) for option in KNOB_OPTIONS))
 
 
 def _writable_folder(path: Path) -> str | None:
@@ -131,14 +144,18 @@ def _run_config(args: argparse.Namespace, task) -> dict:
     import torch
 
     from puredist import __version__
-    from puredist.demo.training import OUTER_OPTIONS, STREAMING_DELAY, STREAMING_FRAGMENTS
+    from puredist.demo.knobs import block_size, knobs_task, outer_options
+    from puredist.demo.training import STREAMING_DELAY, STREAMING_FRAGMENTS
 
+    knobs = _knobs(args)
+    task = knobs_task(task, knobs)
     return {
         "task": args.task, "steps": args.steps, "seed": args.seed, "world_size": args.world_size,
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
-        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": OUTER_OPTIONS,
+        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs),
+        "block_size": block_size(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
@@ -200,7 +217,8 @@ def _launch(args: argparse.Namespace, host: str | None = None, entrypoint=None, 
         start_method="spawn",
     )
     job = {"task": args.task, "steps": args.steps, "seed": args.seed, "device": args.device, "backend": args.backend,
-           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT], **job_options}
+           "algorithms": [a for a in args.algorithms if a not in FAULT_TOLERANT], "knobs": tuple(_knobs(args)),
+           **job_options}
     results = (elastic_launch(config, entrypoint or worker_main)(job) if job["algorithms"]
                else {r: {} for r in range(args.world_size)})
     for algorithm in args.algorithms:
@@ -286,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
     if args.link and args.algorithms is None:
         args.algorithms = list(ALGORITHMS)
-    problem = _choose_algorithms(args) or (_link_problem(args) if args.link else None)
+    problem = (_choose_algorithms(args) or check_knobs(_knobs(args), args.algorithms, STREAMING_DELAY)
+               or (_link_problem(args) if args.link else None))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2

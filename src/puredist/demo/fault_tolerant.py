@@ -75,16 +75,15 @@ class _PuredistReplica:
     fault tolerant by :class:`puredist.ft.FaultTolerantOuter` (a heal hands over step,
     global copy and outer state; the inner optimizer's state is this worker's own)."""
 
-    def __init__(self, task, model: torch.nn.Module, manager) -> None:
+    def __init__(self, task, model: torch.nn.Module, manager, outer: dict) -> None:
         import puredist
         from puredist.demo.task import cross_entropy
-        from puredist.demo.training import OUTER_OPTIONS
         from puredist.ft import FaultTolerantOuter
 
         self.params = {name: p.detach().clone() for name, p in model.named_parameters()}
         self._optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
         self._inner_state = self._optimizer.init(self.params)
-        transform = puredist.outer_optimizer(puredist.sgd(**OUTER_OPTIONS), sync_every=task.period,
+        transform = puredist.outer_optimizer(puredist.sgd(**outer), sync_every=task.period,
                                              warmup_steps=task.warmup_steps, comm_dtype=torch.bfloat16)
         self._outer = FaultTolerantOuter(transform, manager)
         self._state = transform.init(self.params)
@@ -123,17 +122,16 @@ class _TorchftReplica:
     synchronization; a failed synchronization restores the global copy (torchft's
     rule), taking the step back to the last commit."""
 
-    def __init__(self, task, model: torch.nn.Module, manager) -> None:
+    def __init__(self, task, model: torch.nn.Module, manager, outer: dict) -> None:
         from torchft.local_sgd import DiLoCo
 
         from puredist.demo.task import cross_entropy
-        from puredist.demo.training import OUTER_OPTIONS
 
         self._model, self._manager, self._period = model, manager, task.period
         self.params = dict(model.named_parameters())
         inner_class = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[task.optimizer]
         self._inner = inner_class(model.parameters(), **task.optimizer_options)
-        self._outer = torch.optim.SGD(model.parameters(), **OUTER_OPTIONS)
+        self._outer = torch.optim.SGD(model.parameters(), **outer)
         self.heals = self.failed = 0
         manager.register_state_dict_fn("model", self._load, self._save)
         self._diloco = DiLoCo(manager, [model], self._inner, self._outer, sync_every=task.period).__enter__()
@@ -176,16 +174,17 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     """One worker's training over torchft: what ``training.train`` returns, per step
     (``None`` where this process did not take the step), and its evaluations sent
     to the launcher through ``pipe``."""
-    from puredist.demo.training import TASKS, tensor_bytes
+    from puredist.demo.knobs import outer_options
+    from puredist.demo.training import job_task, tensor_bytes
     from puredist.demo.wire import bytes_written
     from puredist.ft import replica_manager
 
-    task, world_size, seed, steps = TASKS[job["task"]], job["world_size"], job["seed"], job["steps"]
+    (task, knobs), world_size, seed, steps = job_task(job), job["world_size"], job["seed"], job["steps"]
     shard, _ = task.load(seed, index, world_size)
     model = task.make_model(seed)
     manager = replica_manager(f"worker{index}", lighthouse, min_replicas=1, timeout=COLLECTIVE_TIMEOUT,
                               quorum_timeout=QUORUM_TIMEOUT)
-    replica = REPLICAS[job["algorithm"]](task, model, manager)
+    replica = REPLICAS[job["algorithm"]](task, model, manager, outer_options(knobs))
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False, timeout=QUORUM_TIMEOUT)
     if not restarted:  # every first worker's manager is up before the first quorum: it takes them all
         store.add("up", 1)
@@ -339,9 +338,9 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     from torchft.coordination import LighthouseServer
 
     from puredist.demo.task import held_out
-    from puredist.demo.training import TASKS
+    from puredist.demo.training import job_task
 
-    task = TASKS[job["task"]]
+    task, _ = job_task(job)
     # a quorum waits up to join_timeout for a live replica that has not asked yet: longer than a peer's
     # steps between two synchronizations, so that the restarted worker is taken in at the next one
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=20,

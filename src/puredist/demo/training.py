@@ -14,12 +14,12 @@ algorithm (``H`` is the task's period: 8 for digits, 16 for the language model):
 - ``zero``: DDP + :class:`puredist.classic.ZeroRedundancyOptimizer` overlapped with
   the backward through :func:`puredist.classic.hook_with_zero_step_interleaved`.
 - ``diloco``: :func:`puredist.outer_optimizer` with DiLoCo's outer Nesterov SGD
-  (lr 0.7, momentum 0.9) every ``H`` steps, bf16 pseudo-gradients.
+  (lr 0.7, momentum 0.9, :mod:`puredist.demo.knobs`) every ``H`` steps, bf16 pseudo-gradients.
 - ``streaming``: Streaming DiLoCo: the same in 2 fragments synchronizing ``H/2``
   steps apart, each applied 2 steps after it starts (communication overlapped
   with local steps), bf16.
 - ``diloco_int8``, ``diloco_int4``, ``diloco_topk``: ``diloco`` with int8 or 4-bit
-  block-quantized (blocks of 64) or top-1 % pseudo-gradients and error feedback
+  block-quantized (blocks of 64 by default) or top-1 % pseudo-gradients and error feedback
   (:mod:`puredist.compression`).
 
 Bytes sent are measured, not estimated (:mod:`puredist.demo.wire`: what Gloo's
@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import puredist
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
 from puredist.demo import charlm, digits
+from puredist.demo.knobs import Knobs, block_size, knobs_task, outer_options
 from puredist.demo.task import Task, cross_entropy, held_out
 from puredist.demo.wire import bytes_written
 from puredist.tree import tree_leaves
@@ -61,7 +62,6 @@ ALGORITHMS = (
 TASKS = {task.name: task for task in (digits.TASK, charlm.TASK, charlm.LARGE_TASK)}
 TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 """The ``torch.optim`` class of each :attr:`Task.optimizer` (DDP and ZeRO use it)."""
-OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 STREAMING_FRAGMENTS = 2
 STREAMING_DELAY = 2
 
@@ -142,10 +142,17 @@ def _setup_functional(averager: puredist.Averager | puredist.OuterTransform, col
     return setup
 
 
-def _setups(task: Task, world_size: int, collective) -> dict[str, Callable]:
+def job_task(config: dict[str, Any]) -> tuple[Task, Knobs]:
+    """The task a job trains, with its knobs (``config["knobs"]``, as :class:`Knobs`'
+    fields; none: the task's own values) applied, and the knobs."""
+    knobs = Knobs(*config.get("knobs", ()))
+    return knobs_task(TASKS[config["task"]], knobs), knobs
+
+
+def _setups(task: Task, knobs: Knobs, world_size: int, collective) -> dict[str, Callable]:
     def diloco(**options):
         outer = puredist.outer_optimizer(
-            puredist.sgd(**OUTER_OPTIONS), sync_every=task.period, warmup_steps=task.warmup_steps, **options
+            puredist.sgd(**outer_options(knobs)), sync_every=task.period, warmup_steps=task.warmup_steps, **options
         )
         return _setup_functional(outer, collective)
 
@@ -160,22 +167,22 @@ def _setups(task: Task, world_size: int, collective) -> dict[str, Callable]:
         ),
         "diloco": diloco(comm_dtype=torch.bfloat16),
         "streaming": diloco(comm_dtype=torch.bfloat16, fragments=STREAMING_FRAGMENTS, delay=STREAMING_DELAY),
-        "diloco_int8": diloco(compressor=puredist.int8_blocks(64)),
-        "diloco_int4": diloco(compressor=puredist.int4_blocks(64)),
+        "diloco_int8": diloco(compressor=puredist.int8_blocks(block_size(knobs))),
+        "diloco_int4": diloco(compressor=puredist.int4_blocks(block_size(knobs))),
         "diloco_topk": diloco(compressor=puredist.top_k(0.01)),
     }
 
 
-def train(task: Task, algorithm: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Train one run on this rank; return its curves, per-step measurements and totals
-    (``training_s``: at each evaluation, the seconds since the start less those spent
-    evaluating)."""
+def train(task: Task, algorithm: str, config: dict[str, Any], knobs: Knobs = Knobs()) -> dict[str, Any]:
+    """Train one run on this rank (``task`` with ``knobs`` applied, :func:`job_task`);
+    return its curves, per-step measurements and totals (``training_s``: at each
+    evaluation, the seconds since the start less those spent evaluating)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if config.get("device") == "cuda" else torch.device("cpu")
     shard, test = task.load(config["seed"], rank, world_size)
     test = tuple(t.to(device) for t in test)
     collective = puredist.DistributedCollective()
-    setup = _setups(task, world_size, collective)[algorithm]
+    setup = _setups(task, knobs, world_size, collective)[algorithm]
     model, step, current_params, optimizer_state = setup(
         task, task.make_model(config["seed"]).to(device), collective, world_size
     )
@@ -238,8 +245,8 @@ def worker_main(config: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if "nccl" in config["backend"] else 0)
     dist.init_process_group(config.get("backend", "gloo"))
     try:
-        task = TASKS[config["task"]]
-        results = {algorithm: train(task, algorithm, config) for algorithm in config["algorithms"]}
+        task, knobs = job_task(config)
+        results = {algorithm: train(task, algorithm, config, knobs) for algorithm in config["algorithms"]}
         dist.barrier()  # only on success: an interrupted peer never comes to it
         return results
     finally:

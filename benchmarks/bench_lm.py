@@ -1,0 +1,162 @@
+"""The language-model study: DiLoCo against DDP, held-out loss against bytes sent.
+
+Runs ``python -m puredist demo --task lm`` once per period ``H`` of :data:`GRID` (4
+workers, the same data, steps and seed in every run; DDP in the first), then writes
+into the output folder (default ``out/bench-lm``):
+
+- ``H<period>/results.json``: each demo run's own report (kept: a rerun skips the
+  periods already measured, so an interrupted study resumes);
+- ``study.json``: per configuration its algorithm, ``H``, payload, final held-out loss,
+  bytes sent per worker, and the ratios of both to DDP's; the study's wall time;
+- ``study.md``: that table; ``study.png``: held-out loss against bytes sent per worker
+  (each run's evaluations as a curve, log scale).
+
+``make bench-lm`` runs it; ``--steps`` and ``--grid`` change the study (e.g.
+``--grid 16:diloco,diloco_int4 64:diloco_int4``).
+
+This script must not train: the demo's workers do, and it reads their reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRID = (
+    (80, ("ddp", "diloco_int4", "diloco_int8"), ()),
+    (160, ("diloco_int4", "diloco_int8"), ()),
+    (16, ("diloco", "diloco_int4"), ()),
+    (80, ("diloco_int4",), ("--outer-lr", "1.0")),
+)
+"""``(H, algorithms, further demo options)`` in the order run (DDP, which has no ``H``, once)."""
+PAYLOADS = {"ddp": "fp32 gradients", "diloco": "bf16", "diloco_int8": "int8", "diloco_int4": "4-bit"}
+STEPS = 960
+
+
+def _grid(texts: list[str]) -> tuple:
+    grid = []
+    for text in texts:
+        period, _, algorithms = text.partition(":")
+        if not period.isdigit() or int(period) < 1 or not algorithms:
+            raise SystemExit(f"error: --grid {text!r}: expected H:algorithm[,algorithm...], e.g. 64:diloco_int4")
+        grid.append((int(period), tuple(algorithms.split(",")), ()))
+    return tuple(grid)
+
+
+def _label(period: int, options: tuple[str, ...]) -> str:
+    return "-".join([f"H{period}", *(o.lstrip("-") for o in options)])
+
+
+def run_period(period: int, algorithms: tuple[str, ...], options: tuple[str, ...], steps: int, output: Path,
+               extra: list[str]) -> dict:
+    """The demo's report for one ``H`` and options (read back where it was measured before)."""
+    folder = output / _label(period, options)
+    report = folder / "results.json"
+    if not report.exists():
+        command = [sys.executable, "-m", "puredist", "demo", "--task", "lm", "--world-size", "4", "--steps", str(steps),
+                   "--sync-every", str(period), "--algorithms", ",".join(algorithms), "--output", str(folder), *extra,
+                   *options]
+        print("$", " ".join(command[1:]), flush=True)
+        started = time.perf_counter()
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        (folder / "launch.json").write_text(json.dumps({"command": command[1:], "wall_s": time.perf_counter() - started}))
+    return json.loads(report.read_text())
+
+
+def launches_wall_s(output: Path) -> float | None:
+    """The measured wall time of every demo run in ``output`` (None if one is unknown)."""
+    walls = [json.loads(p.read_text())["wall_s"] if p.exists() else None
+             for p in (f / "launch.json" for f in output.iterdir() if (f / "results.json").exists())]
+    return None if None in walls else sum(walls)
+
+
+def rows(reports: dict[tuple, dict]) -> list[dict]:
+    """One row per configuration, with its loss and bytes against DDP's (the first
+    report that holds a ``ddp`` run)."""
+    ddp = next(r["algorithms"]["ddp"] for r in reports.values() if "ddp" in r["algorithms"])
+    ddp_losses = {e["step"]: e["loss"] for e in ddp["evaluations"]}
+    table = []
+    for (period, options), report in reports.items():
+        for algorithm, run in report["algorithms"].items():
+            table.append({
+                "algorithm": algorithm, "H": None if algorithm == "ddp" else period,
+                "payload": PAYLOADS.get(algorithm, algorithm),
+                "outer_lr": None if algorithm == "ddp" else report["config"]["outer_options"]["lr"], "eval_loss": run["eval_loss"],
+                "bytes_per_worker": run["bytes_per_worker"], "loss_vs_ddp": run["eval_loss"] / ddp["eval_loss"],
+                "bytes_vs_ddp": run["bytes_per_worker"] / ddp["bytes_per_worker"],
+                "curve": [(e["bytes_per_worker"], e["loss"]) for e in run["evaluations"]],
+                "loss_vs_ddp_by_step": {e["step"]: e["loss"] / ddp_losses[e["step"]] for e in run["evaluations"]},
+            })
+    return sorted(table, key=lambda row: (row["algorithm"] != "ddp", row["bytes_per_worker"]))
+
+
+def markdown(table: list[dict]) -> str:
+    """The table: final loss and bytes against DDP's, and the loss ratio at a third
+    and two thirds of the run (the evaluations nearest them): whether the gap closes."""
+    steps = sorted(table[0]["loss_vs_ddp_by_step"])
+    thirds = [min(steps, key=lambda s: abs(s - steps[-1] * t / 3)) for t in (1, 2)]
+    lines = ["| algorithm | H | payload | outer lr | held-out loss | loss / DDP | "
+             + " | ".join(f"at step {s}" for s in thirds) + " | bytes sent per worker | DDP's bytes / these |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in table:
+        lines.append(f"| {row['algorithm']} | {row['H'] or '-'} | {row['payload']} | {row['outer_lr'] or '-'} | "
+                     f"{row['eval_loss']:.4f} | {row['loss_vs_ddp']:.3f}x | "
+                     + " | ".join(f"{row['loss_vs_ddp_by_step'][s]:.3f}x" for s in thirds) + " | "
+                     f"{row['bytes_per_worker'] / 2**20:.2f} MiB | "
+                     f"{1 / row['bytes_vs_ddp']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for row in table:
+        label = "ddp" if row["algorithm"] == "ddp" else f"{row['payload']}, H={row['H']}, outer lr {row['outer_lr']}"
+        points = [(sent / 2**20, loss) for sent, loss in row["curve"] if sent > 0]
+        line, = axes.plot(*zip(*points), marker=".", label=label) if points else (None,)
+        if line is not None:
+            axes.plot(points[-1][0], points[-1][1], "o", color=line.get_color())
+    ddp = next(row for row in table if row["algorithm"] == "ddp")
+    axes.axhline(ddp["eval_loss"], color="gray", linestyle=":", label="ddp's final loss")
+    axes.axvline(ddp["bytes_per_worker"] / 2**20 / 500, color="gray", linestyle="--", label="1/500 of ddp's bytes")
+    axes.set(xscale="log", xlabel="bytes sent per worker (MiB, log)", ylabel="held-out loss (nats/char)", title=title)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps of every run (default {STEPS})")
+    parser.add_argument("--grid", nargs="+", default=None, help="H:algorithm,... (default: the study's grid)")
+    parser.add_argument("--output", type=Path, default=Path("out/bench-lm"))
+    args, extra = parser.parse_known_args(argv)  # the rest goes to every demo run (e.g. --outer-lr 0.5)
+    grid = _grid(args.grid) if args.grid else GRID
+    if not any("ddp" in algorithms for _, algorithms, _ in grid):
+        raise SystemExit(f"error: --grid {' '.join(args.grid)}: no period runs ddp, the reference of every ratio")
+    reports = {(period, options): run_period(period, algorithms, options, args.steps, args.output, extra)
+               for period, algorithms, options in grid}
+    wall = launches_wall_s(args.output)
+    table = rows(reports)
+    (args.output / "study.md").write_text(markdown(table) + "\n")
+    (args.output / "study.json").write_text(json.dumps(
+        {"steps": args.steps, "world_size": 4, "extra_options": extra, "wall_s": wall,
+          "rows": [{k: v for k, v in row.items() if k != "curve"} for row in table]}, indent=1))
+    plot(table, args.output / "study.png", f"char-level GPT, 4 workers, {args.steps} steps: loss against bytes")
+    print(markdown(table))
+    print(f"\nwrote {args.output / 'study.md'}, study.json and study.png "
+          + (f"(the demo runs: {wall:.0f} s)" if wall is not None else "(a run's wall time is unknown)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
