@@ -103,6 +103,43 @@ def test_an_unsupported_tensor_late_in_the_list_is_refused_before_anything_is_av
     run_workers(_later_tensor_unsupported, 2)
 
 
+class _Listener:
+    """A collective's ``refuse_on_all_ranks`` alone, recording what each refusal told."""
+
+    def __init__(self) -> None:
+        self.told = []
+
+    def refuse_on_all_ranks(self, reason, *, group_size=None, context=""):
+        self.told.append((reason, group_size, str(context)))
+
+
+@pytest.mark.parametrize("kind", [TypeError, ValueError])
+def test_refusing_tells_the_peers_then_raises_the_same_error(kind):
+    from puredist.collectives import refusing
+
+    listener, error = _Listener(), kind("Arg ``x``: bad")
+    with pytest.raises(kind) as raised:
+        with refusing(listener, group_size=2, context="step 3"):
+            raise error
+    assert raised.value is error
+    assert listener.told == [(f"{kind.__name__}: Arg ``x``: bad", 2, "step 3")]
+
+
+def test_refusing_tells_nobody_of_another_error_or_of_none():
+    from puredist.collectives import refusing
+
+    listener = _Listener()
+    with pytest.raises(RuntimeError):
+        with refusing(listener, context="step 3"):
+            raise RuntimeError("the backend")
+    with refusing(listener, context="step 3"):
+        pass
+    with pytest.raises(ValueError):  # one process: nobody to tell, the error all the same
+        with refusing(puredist.SimulatedCollective(2)):
+            raise ValueError("bad")
+    assert listener.told == []
+
+
 def _async_wait_fails(rank, world_size):
     tensors = [values(rank, i) for i in range(TENSORS)]
     if rank == 2:

@@ -29,7 +29,7 @@ One concern a module:
 
 - :mod:`puredist.collectives.base`: the protocol, the division rule
   (:func:`divides_first`, :func:`block_mean`), :func:`check_is_collective`, and a
-  rank's refusal told to its peers before it raises (:func:`refuse_on_all_ranks`);
+  rank's refusal told to its peers before it raises (:class:`~puredist.collectives.base.refusing`);
 - :mod:`puredist.collectives.distributed`: :class:`DistributedCollective` and its
   differentiable mean (:class:`~puredist.collectives.distributed.AllReduceMean`);
 - :mod:`puredist.collectives.simulated`: :class:`SimulatedCollective` and
@@ -39,7 +39,14 @@ This package only re-exports.
 """
 
 from puredist._groups import subgroup
-from puredist.collectives.base import Collective, block_mean, check_is_collective, divides_first, refuse_on_all_ranks
+from puredist.collectives.base import (
+    Collective,
+    block_mean,
+    check_is_collective,
+    divides_first,
+    refuse_on_all_ranks,
+    refusing,
+)
 from puredist.collectives.distributed import (
     BROADCAST_IN_PLACE_MIN_BYTES,
     DEFAULT_BUCKET_CAP_BYTES,

@@ -23,7 +23,7 @@ import torch
 
 from puredist.staging import CollectiveHandle
 
-__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refuse_on_all_ranks"]
+__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refuse_on_all_ranks", "refusing"]
 
 
 class Collective(Protocol):
@@ -88,10 +88,55 @@ def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_siz
     input) through the rank check its peers run next over ``collective``'s group of
     ``group_size`` with ``context``, where the collective has one (see
     :meth:`~puredist.collectives.distributed.DistributedCollective.refuse_on_all_ranks`): they raise at once instead of
-    waiting for this rank. The caller raises ``error`` then."""
+    waiting for this rank. The caller raises ``error`` then; :class:`refusing` does both."""
     refuse = getattr(collective, "refuse_on_all_ranks", None)
     if refuse is not None:
         refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+
+
+class refusing:  # (a context manager: named as contextlib.suppress is)
+    """Tell the peers that this rank refuses, then raise: the checks of this rank's input
+    before a collective run inside ::
+
+        with refusing(collective, group_size=group_size, context=context):
+            given = checked(tensors)  # raises TypeError or ValueError on bad input
+        collective.mean_(given, group_size=group_size, context=context)
+
+    A ``TypeError`` or ``ValueError`` leaving the block is this rank's refusal: it first
+    goes through the rank check that the peers run next, over ``collective``'s group of
+    ``group_size`` with ``context`` (:func:`refuse_on_all_ranks`), so that they raise
+    :class:`~puredist.RankMismatchError` naming it at once instead of waiting for this
+    rank until the backend's timeout; then it propagates unchanged (type, message,
+    traceback). Any other exception propagates without telling anyone; a block that
+    raises nothing costs one small object.
+
+    ``group_size`` and ``context`` must be those of the peers' *next* rank check (the
+    first collective of the operation refused); where the operation communicates
+    nothing, no peer runs one: use no ``refusing`` then (telling would wait for peers
+    that never come).
+
+    Args:
+        collective: the collective the operation runs on; one without
+            ``refuse_on_all_ranks`` (one process: simulated, vmapped) tells nobody.
+        group_size: the size of the group the peers check next (``None``: the whole group).
+        context: that check's context: any object, formatted only when this rank
+            refuses (pass a lazily formatted one where formatting costs).
+    """
+
+    __slots__ = ("collective", "context", "group_size")
+
+    def __init__(self, collective: "Collective", *, group_size: int | None = None, context: object = "") -> None:
+        self.collective = collective
+        self.group_size = group_size
+        self.context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, (TypeError, ValueError)):
+            refuse_on_all_ranks(self.collective, error, group_size=self.group_size, context=self.context)
+        return False  # (the error propagates as it is)
 
 
 def divides_first(dtype: torch.dtype) -> bool:

@@ -27,7 +27,7 @@ from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
 from puredist._validation import check_bucket_cap_bytes
-from puredist.collectives.base import divides_first, refuse_on_all_ranks
+from puredist.collectives.base import divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.staging import DEVICE_BUCKET_CAP_BYTES, HOST_BUCKET_CAP_BYTES, CollectiveHandle, StagingPool, run_staged
 
@@ -241,11 +241,8 @@ class DistributedCollective:
             CollectiveError: an all-reduce failed (a peer died, a timeout); every
                 element holds its old value or its mean, as the error details.
         """
-        try:
+        with refusing(self, group_size=group_size, context=context):
             given = checked(tensors)
-        except (TypeError, ValueError) as error:
-            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
-            raise
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
@@ -305,11 +302,8 @@ class DistributedCollective:
         Raises:
             as :meth:`mean_`.
         """
-        try:
+        with refusing(self, group_size=group_size, context=context):
             checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
-        except (TypeError, ValueError) as error:
-            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
-            raise
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly
