@@ -29,7 +29,14 @@ from puredist._inputs import Checked, checked, checked_for_reduction, checked_li
 from puredist._validation import check_bucket_cap_bytes
 from puredist.collectives.base import divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
-from puredist.staging import DEVICE_BUCKET_CAP_BYTES, HOST_BUCKET_CAP_BYTES, CollectiveHandle, StagingPool, run_staged
+from puredist.staging import (
+    DEVICE_BUCKET_CAP_BYTES,
+    HOST_BUCKET_CAP_BYTES,
+    CollectiveHandle,
+    StagingOptions,
+    StagingPool,
+    run_staged,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -284,11 +291,9 @@ class DistributedCollective:
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
-        return run_staged(
-            given.reduced, self.bucket_cap_bytes, launch, layout=given.layout,
-            what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
-            gate=finish_check,
-        )
+        options = StagingOptions(f"Averaging over {size} ranks", scales=scales, bucket_cap_bytes=self.bucket_cap_bytes)
+        return run_staged(given.reduced, launch, options, pool=self._pool, async_op=async_op, layout=given.layout,
+                          gate=finish_check)
 
     @_runs_eagerly
     def mean(
@@ -393,17 +398,11 @@ class DistributedCollective:
         group = self.process_group
         is_source = dist.get_rank(group) == src
         global_src = dist.get_global_rank(group, src)
+        options = StagingOptions(f"Broadcast from rank {src}", pack=is_source, write_back=not is_source,
+                                 bucket_cap_bytes=self.bucket_cap_bytes, alone_from=BROADCAST_IN_PLACE_MIN_BYTES)
         return run_staged(
-            given.reduced,
-            self.bucket_cap_bytes,
-            lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True),
-            what=f"Broadcast from rank {src}",
-            async_op=async_op,
-            pool=self._pool,
-            pack=is_source,
-            write_back=not is_source,
-            alone_from=BROADCAST_IN_PLACE_MIN_BYTES,
-            layout=given.layout,
+            given.reduced, lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True), options,
+            pool=self._pool, async_op=async_op, layout=given.layout,
         )
 
 
