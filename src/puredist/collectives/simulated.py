@@ -146,7 +146,4 @@ class SimulatedCollective(ReplicaGroups):
         rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
         differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
         if differing:
-            raise RankMismatchError(
-                f"Tensors {differing} (of {len(tensors)}) differ between replicas; they must start equal on "
-                f"every replica. Checked: {what}."
-            )
+            raise RankMismatchError.of_values(differing, len(tensors), what, simulated=True)
