@@ -21,11 +21,12 @@ def imports_of(path: pathlib.Path) -> set[str]:
 
 def package_imports(package: pathlib.Path, name: str) -> dict[str, set[str]]:
     """``{module: the modules it imports}`` for each module of the package ``name`` at
-    ``package`` (its ``__init__`` named ``name``)."""
-    return {
-        name if path.stem == "__init__" else f"{name}.{path.stem}": imports_of(path)
-        for path in sorted(package.glob("*.py"))
-    }
+    ``package``, its subpackages' included (a package named by its ``__init__``)."""
+    graph = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = [name, *path.relative_to(package).with_suffix("").parts]
+        graph[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = imports_of(path)
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[str]:
@@ -36,3 +37,4 @@ def cycles(graph: dict[str, set[str]]) -> list[str]:
         return any(m == goal or (m not in seen and reaches(m, goal, (*seen, m))) for m in graph.get(start, ()))
 
     return [name for name in graph if reaches(name, name)]
+

@@ -135,3 +135,23 @@ def test_importing_puredist_leaves_dtensor_unimported_and_a_dtensor_made_later_i
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_collectives_modules_keep_their_import_rules_and_form_no_cycle():
+    """The protocol module imports no backend, the simulated backend nothing of
+    ``torch.distributed``, and no collectives module is part of an import cycle among
+    puredist's modules (``TYPE_CHECKING`` imports included): a backend imports its
+    siblings by their own modules, not through the package that re-exports them."""
+    import pathlib
+
+    from import_rules import cycles, package_imports
+
+    graph = package_imports(pathlib.Path(puredist.__file__).parent, "puredist")
+    collectives = {name: imported for name, imported in graph.items() if name.startswith("puredist.collectives")}
+    assert set(collectives) == {"puredist.collectives", "puredist.collectives.base",
+                                "puredist.collectives.distributed", "puredist.collectives.simulated"}
+    base = graph["puredist.collectives.base"]
+    assert not {m for m in base if m.startswith(("puredist.collectives", "torch.distributed"))}, sorted(base)
+    assert not {m for m in graph["puredist.collectives.simulated"] if m.startswith("torch.distributed")}
+    ours = {name: {m for m in imported if m in graph} for name, imported in graph.items()}
+    assert not [m for m in cycles(ours) if m.startswith("puredist.collectives")], cycles(ours)

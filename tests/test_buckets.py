@@ -81,7 +81,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
     half of 256 MiB, all others (host tensors, a GPU's over Gloo) in buckets of half of
     32 MiB (the meta device stands for a GPU here: it has no data). Brute force: the
     bucket sizes a run launches, per device."""
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     class Done:
         def wait(self):
@@ -94,8 +94,8 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
                          ("meta over gloo", StagingPool(backends={"meta": "gloo"}))):
         tensors = [torch.zeros(10 * mib, device=device[:4]), torch.zeros(5 * mib, device=device[:4])]  # 60 MiB of fp32
         sizes = launched[device] = []
-        run_staged(tensors, None, lambda buffer: sizes.append(buffer.numel() * 4) or Done(),
-                   what="test", async_op=False, pack=True, pool=pool)
+        run_staged(tensors, lambda buffer: sizes.append(buffer.numel() * 4) or Done(), StagingOptions("test"),
+                   pool=pool, async_op=False)
     assert launched["cpu"] == launched["meta over gloo"] == [16 * mib] * 3 + [12 * mib]
     assert launched["meta"] == [60 * mib]
     assert StagingPool(backends=backends).capacity(torch.device("cpu")) == 32 * mib
@@ -106,7 +106,7 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
 def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     """An asynchronous run's buffers are kept for the next one up to the cap of their
     own device: the host's 32 MiB are not used up by a GPU's (meta stands for one)."""
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     class Done:
         def wait(self):
@@ -117,8 +117,8 @@ def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     tensors = [torch.zeros(100 * mib // 4, device="meta"), torch.zeros(mib // 4)]  # 100 MiB on "GPU", then 1 on the host
     seen = []
     for _ in range(2):
-        run_staged(tensors, None, lambda buffer: seen.append(buffer.data_ptr()) or Done(), what="test",
-                   async_op=True, pack=True, pool=pool).wait()
+        run_staged(tensors, lambda buffer: seen.append(buffer.data_ptr()) or Done(), StagingOptions("test"),
+                   pool=pool, async_op=True).wait()
     host = [ptr for ptr in seen if ptr != 0]  # (meta tensors have no data)
     assert len(host) == 2 and host[0] == host[1]  # the host's spare was kept and reused
     assert pool._spare_bytes == {torch.device("cpu"): mib, torch.device("meta"): 100 * mib}

@@ -111,7 +111,7 @@ def _staging_reused_from_another_stream(rank, world_size):
     and ``wait`` orders the current stream after it, the host not waiting. The first
     run's collective is held back (a late peer); the second is issued on another
     stream. Oracle: each run's tensor keeps its own values (the sum of one rank)."""
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     comm, side = torch.cuda.Stream(), torch.cuda.Stream()  # made first: the first Stream() builds torch's
     # pool of streams, which takes the host long enough for a held-back collective to end meanwhile
@@ -134,11 +134,11 @@ def _staging_reused_from_another_stream(rank, world_size):
     for async_op in (False, True):
         pool = StagingPool(backends={"cuda": "nccl"})
         first, second = torch.full((2**20,), 1.0, device="cuda"), torch.full((2**20,), 2.0, device="cuda")
-        handle = run_staged([first], None, launch(True), what="first", async_op=async_op, pack=True, pool=pool)
+        handle = run_staged([first], launch(True), StagingOptions("first"), pool=pool, async_op=async_op)
         if handle is not None:
             handle.wait()  # its buffer goes back to the pool; the host does not wait for the GPU
         with torch.cuda.stream(side):
-            handle = run_staged([second], None, launch(False), what="second", async_op=async_op, pack=True, pool=pool)
+            handle = run_staged([second], launch(False), StagingOptions("second"), pool=pool, async_op=async_op)
             if handle is not None:
                 handle.wait()
         torch.cuda.synchronize()

@@ -103,6 +103,43 @@ def test_an_unsupported_tensor_late_in_the_list_is_refused_before_anything_is_av
     run_workers(_later_tensor_unsupported, 2)
 
 
+class _Listener:
+    """A collective's ``refuse_on_all_ranks`` alone, recording what each refusal told."""
+
+    def __init__(self) -> None:
+        self.told = []
+
+    def refuse_on_all_ranks(self, reason, *, group_size=None, context=""):
+        self.told.append((reason, group_size, str(context)))
+
+
+@pytest.mark.parametrize("kind", [TypeError, ValueError])
+def test_refusing_tells_the_peers_then_raises_the_same_error(kind):
+    from puredist.collectives import refusing
+
+    listener, error = _Listener(), kind("Arg ``x``: bad")
+    with pytest.raises(kind) as raised:
+        with refusing(listener, group_size=2, context="step 3"):
+            raise error
+    assert raised.value is error
+    assert listener.told == [(f"{kind.__name__}: Arg ``x``: bad", 2, "step 3")]
+
+
+def test_refusing_tells_nobody_of_another_error_or_of_none():
+    from puredist.collectives import refusing
+
+    listener = _Listener()
+    with pytest.raises(RuntimeError):
+        with refusing(listener, context="step 3"):
+            raise RuntimeError("the backend")
+    with refusing(listener, context="step 3"):
+        pass
+    with pytest.raises(ValueError):  # one process: nobody to tell, the error all the same
+        with refusing(puredist.SimulatedCollective(2)):
+            raise ValueError("bad")
+    assert listener.told == []
+
+
 def _async_wait_fails(rank, world_size):
     tensors = [values(rank, i) for i in range(TENSORS)]
     if rank == 2:
@@ -185,7 +222,7 @@ class _Done:
 
 
 def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     pool = StagingPool(64)
     calls = []
@@ -200,7 +237,7 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
     # time and buckets 1 and 2 are written back before bucket 3 is launched
     tensors = [torch.ones(40)]
     with pytest.raises(CollectiveError, match=r"bucket 3 of 5.*elements \[0, 16\)") as error:
-        run_staged(tensors, 64, launch, what="test", async_op=False, pack=True, pool=pool)
+        run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=pool, async_op=False)
     assert error.value.completed_elements == (16,)
     assert pool._memory == {}  # the buffers the failed run handed out are never reused
 
@@ -209,7 +246,7 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
 def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective(async_op, monkeypatch):
     # the rank check's second half: its round trip overlaps the first bucket's packing, and its error
     # leaves every tensor as it was, with no collective started
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
     events = []
@@ -223,8 +260,8 @@ def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective
     def gate():
         events.append(("gate", None))
 
-    handle = run_staged(tensors, 64, launch, what="test", async_op=async_op, pack=True, pool=StagingPool(1024),
-                        gate=gate)
+    handle = run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=StagingPool(1024),
+                        async_op=async_op, gate=gate)
     if handle is not None:
         handle.wait()
     kinds = [kind for kind, _ in events]
@@ -240,19 +277,20 @@ def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective
     events.clear()
     pool = StagingPool(1024)
     with pytest.raises(Refused):
-        run_staged(tensors, 64, launch, what="test", async_op=async_op, pack=True, pool=pool, gate=refusing_gate)
+        run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=pool, async_op=async_op,
+                   gate=refusing_gate)
     assert [kind for kind, _ in events] == ["copy"] and torch.equal(tensors[0], torch.arange(40.0))
     if async_op:  # the packed buffer, never sent, is kept for the next run
         assert sum(pool._spare_bytes.values()) == 32
 
 
 def test_the_gate_is_passed_where_there_is_no_bucket():
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     passed = []
     for async_op in (False, True):
-        run_staged([], 64, lambda buffer: _Done(), what="test", async_op=async_op, pack=True, pool=StagingPool(1024),
-                   gate=lambda: passed.append(True))
+        run_staged([], lambda buffer: _Done(), StagingOptions("test", bucket_cap_bytes=64), pool=StagingPool(1024),
+                   async_op=async_op, gate=lambda: passed.append(True))
     assert passed == [True, True]
 
 
@@ -262,7 +300,7 @@ class _Failed:
 
 
 def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.ones(40)]  # 160 bytes: 5 buckets of 32
@@ -272,13 +310,14 @@ def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
         seen.append(buffer.data_ptr())
         return _Done()
 
-    run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool).wait()
+    run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=pool, async_op=True).wait()
     first = list(seen)
     seen.clear()
-    run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool).wait()
+    run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=pool, async_op=True).wait()
     assert sorted(seen) == sorted(first)  # the same memory, no new allocation
 
-    failing = run_staged(tensors, 64, lambda b: _Failed(), what="test", async_op=True, pack=True, pool=pool)
+    failing = run_staged(tensors, lambda b: _Failed(), StagingOptions("test", bucket_cap_bytes=64), pool=pool,
+                         async_op=True)
     with pytest.raises(CollectiveError):
         failing.wait()
     assert not any(pool._spare_bytes.values())  # the failed run's buffers may still be held by the backend: not reused
@@ -287,7 +326,7 @@ def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
 
 def test_an_async_run_whose_later_bucket_fails_writes_none_of_the_buckets_that_succeeded():
     # deterministic, where the job above races: buckets 1 and 2 of 5 succeed, bucket 3 fails at its wait
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
@@ -297,7 +336,7 @@ def test_an_async_run_whose_later_bucket_fails_writes_none_of_the_buckets_that_s
         buffer.mul_(-1)  # what a collective would leave there: another value
         return next(outcomes)
 
-    handle = run_staged(tensors, 64, launch, what="test", async_op=True, pack=True, pool=pool)
+    handle = run_staged(tensors, launch, StagingOptions("test", bucket_cap_bytes=64), pool=pool, async_op=True)
     with pytest.raises(CollectiveError, match="in bucket 3 of 5") as error:
         handle.wait()
     assert error.value.completed_elements == (0,)
@@ -348,7 +387,7 @@ def test_an_averaging_started_in_inference_mode_and_waited_outside_writes_every_
 
 
 def test_a_write_back_that_raises_is_a_collective_error_saying_what_was_written(monkeypatch):
-    from puredist.staging import StagingPool, run_staged
+    from puredist.staging import StagingOptions, StagingPool, run_staged
     from puredist.staging.run import _BucketInFlight
 
     real = _BucketInFlight.write_back
@@ -363,8 +402,8 @@ def test_a_write_back_that_raises_is_a_collective_error_saying_what_was_written(
         tensors, handles = [torch.arange(40.0)], []  # 160 bytes: 5 buckets of 32
 
         def run():
-            handles.append(run_staged(tensors, 64, lambda buffer: _Done(), what="test", async_op=async_op,
-                                      pack=True, pool=StagingPool(1024)))
+            handles.append(run_staged(tensors, lambda buffer: _Done(), StagingOptions("test", bucket_cap_bytes=64),
+                                      pool=StagingPool(1024), async_op=async_op))
             handles[-1].wait()  # (a blocking run raises before)
 
         with pytest.raises(CollectiveError, match=r"bucket 3 of 5.*elements \[0, 16\)") as error:

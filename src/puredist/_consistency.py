@@ -53,11 +53,6 @@ def refusals(error: RankMismatchError) -> list[str]:
     return [f"rank {rank}: {c.split(REFUSED)[1]}" for rank, c in zip(error.ranks, error.contexts) if REFUSED in c]
 
 
-def _describe(rank: int, summary: list[int], context: str) -> str:
-    count, numel, layout, _ = summary
-    return f"rank {rank}: {count} tensors, {numel} elements, layout digest {layout & 0xFFFFFFFF:08x}, context {context!r}"
-
-
 def start_rank_check(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
@@ -120,19 +115,7 @@ class PendingRankCheck:
     def _raise_mismatch(self, summaries: list[list[int]]) -> None:
         contexts: list[object] = [None] * len(summaries)
         dist.all_gather_object(contexts, self._context, group=self._group)
-        ranks = dist.get_process_group_ranks(self._group)
-        lines = "\n  ".join(_describe(rank, s, c) for rank, s, c in zip(ranks, summaries, contexts))
-        layouts_differ = any(s[:3] != summaries[0][:3] for s in summaries)
-        cause = (
-            "ranks passed different tensors (a parameter without .grad on some ranks only is the usual cause)"
-            if layouts_differ
-            else "ranks are at different steps or run different schedules (configuration, step or the collective's "
-            "options, such as its bucket cap, differ)"
-        )
-        raise RankMismatchError(
-            f"Mismatch at {self._what}: {cause}; nothing was changed. Per rank:\n  {lines}",
-            ranks=ranks, contexts=[str(c) for c in contexts], layouts_differ=layouts_differ,
-        )
+        raise RankMismatchError.of_summaries(self._what, dist.get_process_group_ranks(self._group), summaries, contexts)
 
 
 def check_same_values_on_all_ranks(
@@ -148,10 +131,7 @@ def check_same_values_on_all_ranks(
     rows = [g.tolist() for g in gathered]
     differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
     if differing:
-        raise RankMismatchError(
-            f"Tensors {differing} (of {len(tensors)}) differ between ranks; they must start equal on every "
-            f"rank (broadcast them from one rank, as DDP does at construction). Checked: {what}."
-        )
+        raise RankMismatchError.of_values(differing, len(tensors), what)
 
 
 def _value_digest(tensor: torch.Tensor) -> int:

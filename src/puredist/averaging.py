@@ -30,7 +30,7 @@ from puredist._validation import (
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
-from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refuse_on_all_ranks
+from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refusing
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
@@ -76,20 +76,6 @@ def _float_leaves(params: PyTree, *, in_place: bool) -> tuple[list[torch.Tensor]
     return leaves, spec
 
 
-def _leaves_or_refusal(params: PyTree, collective: Collective, group_size: int | None, context: object, *,
-                       in_place: bool) -> tuple[list[torch.Tensor], object]:
-    """:func:`_float_leaves`; where they cannot be averaged, this rank's refusal first
-    goes through the rank check its peers run before the reduction (a collective
-    with ``refuse_on_all_ranks``), so that they raise
-    :class:`~puredist.RankMismatchError` naming it instead of waiting for this rank
-    until the backend's timeout. Then raises the error found here."""
-    try:
-        return _float_leaves(params, in_place=in_place)
-    except (TypeError, ValueError) as error:
-        refuse_on_all_ranks(collective, error, group_size=group_size, context=context)
-        raise
-
-
 def average_(
     params: PyTree,
     *,
@@ -122,7 +108,8 @@ def average_(
             its mean, as the error details.
     """
     check_is_collective(collective)
-    leaves, _ = _leaves_or_refusal(params, collective, group_size, "", in_place=True)
+    with refusing(collective, group_size=group_size):
+        leaves, _ = _float_leaves(params, in_place=True)
     return collective.mean_(leaves, group_size=group_size, async_op=async_op)
 
 
@@ -136,7 +123,8 @@ def average(params: PyTree, *, collective: Collective, group_size: int | None = 
     :class:`~puredist.VmapCollective`.
     """
     check_is_collective(collective)
-    leaves, spec = _leaves_or_refusal(params, collective, group_size, "", in_place=False)
+    with refusing(collective, group_size=group_size):
+        leaves, spec = _float_leaves(params, in_place=False)
     return tree_unflatten(spec, collective.mean(leaves, group_size=group_size))
 
 
@@ -204,7 +192,8 @@ def _scheduled_averager(
         due, group_size = decide(state.step)
         context = _ScheduleStep(schedule, state.step)
         if due:
-            leaves, spec = _leaves_or_refusal(params, collective, group_size, context, in_place=in_place)
+            with refusing(collective, group_size=group_size, context=context):  # the peers raise at once
+                leaves, spec = _float_leaves(params, in_place=in_place)
         else:  # bad input is found at every step; no peer waits for this rank's collective then
             leaves, spec = _float_leaves(params, in_place=in_place)
         check_collective(collective)

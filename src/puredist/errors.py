@@ -4,7 +4,9 @@
   backend); no tensor holds a partial result, and the message says which elements hold
   the result and which their old values (:func:`nothing_changed` where none changed).
 - :class:`RankMismatchError`: the ranks of one group passed different tensors, or run
-  different schedules; raised on every rank, before anything is sent.
+  different schedules; raised on every rank, before anything is sent
+  (:meth:`~puredist.RankMismatchError.of_summaries`), or hold different values where they must
+  hold the same (:meth:`~puredist.RankMismatchError.of_values`).
 - :class:`Healed`, :class:`HealFailed`: a torchft quorum healed this replica
   (:mod:`puredist.ft`); they are plain exceptions, so this module imports no torchft.
 
@@ -104,6 +106,41 @@ class RankMismatchError(RuntimeError):
         self.ranks = tuple(ranks)
         self.contexts = tuple(contexts)
         self.layouts_differ = layouts_differ
+
+    @classmethod
+    def of_summaries(cls, what: str, ranks: Sequence[int], summaries: Sequence[Sequence[int]],
+                     contexts: Sequence[object]) -> "RankMismatchError":
+        """The error of a rank check at ``what`` whose summaries differ: rank
+        ``ranks[i]`` sent ``summaries[i]`` (tensor count, elements, layout digest,
+        context digest) and its context ``contexts[i]``."""
+        layouts_differ = any(s[:3] != summaries[0][:3] for s in summaries)
+        cause = (
+            "ranks passed different tensors (a parameter without .grad on some ranks only is the usual cause)"
+            if layouts_differ
+            else "ranks are at different steps or run different schedules (configuration, step or the collective's "
+            "options, such as its bucket cap, differ)"
+        )
+        lines = "\n  ".join(
+            f"rank {rank}: {count} tensors, {numel} elements, layout digest {layout & 0xFFFFFFFF:08x}, context {c!r}"
+            for rank, (count, numel, layout, _), c in zip(ranks, summaries, contexts)
+        )
+        return cls(
+            f"Mismatch at {what}: {cause}; nothing was changed. Per rank:\n  {lines}",
+            ranks=ranks, contexts=[str(c) for c in contexts], layouts_differ=layouts_differ,
+        )
+
+    @classmethod
+    def of_values(cls, differing: Sequence[int], count: int, what: str, *, simulated: bool = False
+                  ) -> "RankMismatchError":
+        """The error of a check that ``count`` tensors hold the same values on every
+        rank (every replica, ``simulated``) at ``what``: those at ``differing`` do not."""
+        if simulated:
+            return cls(f"Tensors {differing} (of {count}) differ between replicas; they must start equal on every "
+                       f"replica. Checked: {what}.")
+        return cls(
+            f"Tensors {differing} (of {count}) differ between ranks; they must start equal on every rank (broadcast "
+            f"them from one rank, as DDP does at construction). Checked: {what}."
+        )
 
 
 class Healed(Exception):

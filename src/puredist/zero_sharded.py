@@ -42,7 +42,7 @@ import torch
 
 from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import (
-    CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective, refuse_on_all_ranks,
+    CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective, refusing,
 )
 from puredist.replicas import VmapCollective
 from puredist._consistency import refusals, with_refusal
@@ -179,13 +179,17 @@ def _step_owned(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, ind
     return state._replace(owned=tuple(owned))
 
 
-def _context(state: ZeroState) -> str:
+class _Context(NamedTuple):
     """What the rank check compares besides the tensors: the plan and the step (``""``
-    for a state too malformed to say)."""
-    try:
-        return f"plan {state.plan.digest()} step {state.step}"
-    except (AttributeError, TypeError):
-        return ""
+    for a state too malformed to say), formatted only when checked or refused."""
+
+    state: ZeroState
+
+    def __str__(self) -> str:
+        try:
+            return f"plan {self.state.plan.digest()} step {self.state.step}"
+        except (AttributeError, TypeError):
+            return ""
 
 
 def _checked(params, grads, state: ZeroState, collective):
@@ -252,16 +256,13 @@ def update_subset_(
 
 def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
     """One whole iteration in place, after the rank check; returns the state at step + 1."""
-    try:
+    with refusing(collective, context=_Context(state)):  # this rank's input: its peers raise at once, not wait
         leaves, _, grad_leaves = _checked(params, grads, state, collective)
-    except (TypeError, ValueError) as error:  # this rank's input: its peers raise at once instead of waiting
-        refuse_on_all_ranks(collective, error, context=_context(state))
-        raise
     if isinstance(collective, DistributedCollective):
         # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
         # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)
         refusal = _refusal(optimizer, leaves, grad_leaves, state, collective.rank)
-        context = with_refusal(_context(state), refusal)
+        context = with_refusal(str(_Context(state)), refusal)
         try:
             collective.check_same_on_all_ranks(leaves, context=context, what="one ZeRO step")
         except RankMismatchError as error:

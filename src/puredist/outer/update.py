@@ -12,13 +12,14 @@ This module must not compute a synchronization itself: it orders those of
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
 from puredist._inputs import is_transformed, transforms_active
 from puredist.averaging import _float_leaves
-from puredist.collectives import Collective, CollectiveError, refuse_on_all_ranks
+from puredist.collectives import Collective, CollectiveError, refusing
 from puredist.optim import clone_states
 from puredist.outer.checks import (
     check_collective, check_initial_copy, check_initial_copy_traced, check_params, check_state, initial_check_context,
@@ -48,25 +49,24 @@ def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, coll
     run first in this step (see :func:`_first_check`), so that they raise
     :class:`~puredist.RankMismatchError` naming it instead of waiting for this rank
     until the backend's timeout; then the error found here is raised."""
-    try:
+    with _refusing_step(config, state, collective):
         leaves, spec = _float_leaves(params, in_place=not traced)
         check_params(config, leaves, state)
         fragments = fragment_leaves(config, leaves)
         check_collective(config, collective)
-    except (TypeError, ValueError) as error:
-        _refuse_step(config, state, collective, error)
-        raise
     if state.step == 0:
         (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
     return leaves, spec, fragments
 
 
-def _refuse_step(config: OuterConfig, state: OuterState, collective: Collective, error: Exception) -> None:
-    """This rank's refusal of the step for ``error``, through the rank check its peers
-    run first in it (:func:`_first_check`), where the collective has one."""
+def _refusing_step(config: OuterConfig, state: OuterState, collective: Collective):
+    """:class:`~puredist.collectives.base.refusing` the step at ``state``'s step through
+    the rank check its peers run first in it (:func:`_first_check`); telling no one
+    where the step communicates nothing."""
     first = _first_check(config, state)
-    if first is not None:
-        refuse_on_all_ranks(collective, error, group_size=first[0], context=first[1])
+    if first is None:
+        return contextlib.nullcontext()
+    return refusing(collective, group_size=first[0], context=first[1])
 
 
 def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, object] | None:
@@ -171,11 +171,8 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     for item in state.in_flight:
         if item.handle.error is None:  # a failed one is issued again by update_
             item.handle.wait()
-    try:
+    with _refusing_step(config, state, collective):
         leaves, spec = _float_leaves(params, in_place=True)
-    except (TypeError, ValueError) as error:
-        _refuse_step(config, state, collective, error)
-        raise
     copies = clone_leaves(leaves)
     cloned = OuterState(
         state.step,

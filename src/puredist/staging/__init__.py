@@ -10,7 +10,8 @@ One concern a module:
 - :mod:`puredist.staging.pool`: the bounded staging memory kept between runs
   (:class:`~puredist.staging.pool.StagingPool`) and its stream fences;
 - :mod:`puredist.staging.run`: stage, reduce and write back, bucket by bucket
-  (:func:`~puredist.staging.run.run_staged`), and the handle of an asynchronous run
+  (:func:`~puredist.staging.run.run_staged`, its options one
+  :class:`~puredist.staging.run.StagingOptions`), and the handle of an asynchronous run
   (:class:`~puredist.CollectiveHandle`).
 
 The errors a run raises are in :mod:`puredist.errors`. This package only re-exports.
@@ -23,7 +24,7 @@ from puredist.staging.pool import (
     StagingPool,
     default_bucket_cap_bytes,
 )
-from puredist.staging.run import CollectiveHandle, Launch, Scales, no_scaling, run_staged
+from puredist.staging.run import CollectiveHandle, Launch, Scales, StagingOptions, no_scaling, run_staged
 
 __all__ = [
     "DEVICE_BUCKET_CAP_BYTES",
@@ -34,6 +35,7 @@ __all__ = [
     "Piece",
     "PlannedBucket",
     "Scales",
+    "StagingOptions",
     "StagingPool",
     "bucket_layouts",
     "default_bucket_cap_bytes",

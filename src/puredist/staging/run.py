@@ -49,7 +49,8 @@ def no_scaling(buffer: torch.Tensor) -> tuple[None, None]:
 
 
 class StagingOptions(NamedTuple):
-    """What one run does with each of its buckets (the same for all of them).
+    """What one run does: how its tensors are cut into buckets, and what it does with
+    each of them (the same for all).
 
     Attributes:
         what: the operation, for errors.
@@ -58,12 +59,19 @@ class StagingOptions(NamedTuple):
         scales: ``scales(buffer) -> (before, after)``: divide the buffer by ``before``
             ahead of the collective and by ``after`` once it is done (``None``: no).
         write_back: copy the result into the tensors (a broadcast source does not).
+            A bucket that is one contiguous piece, packed and not written back, is
+            sent from the tensor's own storage.
+        bucket_cap_bytes: the staging memory of a blocking run, per device; buckets
+            are half of it (``None``: the pool's capacity for each device).
+        alone_from: see :func:`~puredist.staging.plan.plan_buckets`.
     """
 
     what: str
-    pack: bool
-    scales: Scales
-    write_back: bool
+    pack: bool = True
+    scales: Scales = no_scaling
+    write_back: bool = True
+    bucket_cap_bytes: int | None = None
+    alone_from: int | None = None
 
 
 class _BucketInFlight:
@@ -217,36 +225,25 @@ class CollectiveHandle:
 
 def run_staged(
     tensors: Sequence[torch.Tensor],
-    bucket_cap_bytes: int | None,
     launch: Launch,
+    options: StagingOptions,
     *,
-    layout: Layout | None = None,
-    what: str,
-    async_op: bool,
-    pack: bool,
     pool: StagingPool,
-    scales: Scales = no_scaling,
-    write_back: bool = True,
-    alone_from: int | None = None,
+    async_op: bool,
+    layout: Layout | None = None,
     gate: Callable[[], None] | None = None,
 ) -> CollectiveHandle | None:
-    """Issue ``launch`` over the bucket plan of ``tensors`` (buckets of half of
-    ``bucket_cap_bytes``), in order, with the semantics of the module docstring.
+    """Issue ``launch`` over the bucket plan of ``tensors``, in order, with the
+    semantics of the module docstring.
 
     Args:
         tensors: checked tensors (dense, real, disjoint), the same layouts on every rank.
-        bucket_cap_bytes: the staging memory of a blocking run, per device (``None``:
-            the pool's capacity for each).
         launch: starts one bucket's asynchronous collective.
+        options: the buckets' size, and what is done with each (:class:`StagingOptions`).
+        pool: the staging memory.
+        async_op: return a handle instead of blocking.
         layout: their :class:`~puredist._layout.Layout`, which keeps the plan (``None``:
             looked up).
-        what: the operation, for errors.
-        async_op: return a handle instead of blocking.
-        pool: the staging memory.
-        pack, scales, write_back: see :class:`StagingOptions`. A bucket that is one
-            contiguous piece, packed and not written back (a broadcast source), is sent
-            from the tensor's own storage.
-        alone_from: see :func:`~puredist.staging.plan.plan_buckets`.
         gate: called once the first bucket is packed, before any collective starts
             (the rank check's second half: its round trip overlaps the packing). What
             it raises propagates as it is: nothing was sent or written. Should
@@ -261,13 +258,12 @@ def run_staged(
         CollectiveError: (blocking runs) a collective failed; the error says which
             elements hold the result.
     """
-    options = StagingOptions(what, pack, scales, write_back)
     run = (_Run if async_op else _BlockingRun)(tensors, launch, options, pool, gate)
     try:
         layout = layout if layout is not None else layout_of(tensors)
-        caps = bucket_cap_bytes if bucket_cap_bytes is not None else pool.policy
-        buckets = layout.derived(("buckets", caps, alone_from),
-                                 lambda: _planned(tensors, bucket_cap_bytes, alone_from, pool))
+        cap, alone_from = options.bucket_cap_bytes, options.alone_from
+        caps = cap if cap is not None else pool.policy
+        buckets = layout.derived(("buckets", caps, alone_from), lambda: _planned(tensors, cap, alone_from, pool))
         if async_op:
             return run.handle(buckets)
         needed = layout.derived(("staging bytes", caps, alone_from), lambda: staging_bytes(buckets))

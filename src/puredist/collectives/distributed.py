@@ -1,70 +1,52 @@
-"""Collectives as an explicit argument: the mean over a group of ranks.
+"""Mean over real ranks: :class:`DistributedCollective`, over ``torch.distributed``
+process groups (Gloo, NCCL, ...), and its differentiable mean (:class:`AllReduceMean`).
 
-Three backends implement the same small protocol, :class:`Collective`:
+It writes the mean into the tensors' own storage (``data_ptr()`` never changes),
+reducing bounded staging buckets of one device and dtype (no promotion, see
+:mod:`puredist.staging`), with no device synchronization, after checking that every
+rank passes the same tensors and the same context (schedule and step,
+:mod:`puredist._consistency`). A tensor is written only once its bucket's all-reduce
+has succeeded, so a failure leaves every element at its old value or its mean
+(:class:`~puredist.CollectiveError` says which).
 
-- :class:`DistributedCollective`: real ranks over ``torch.distributed`` process
-  groups (Gloo, NCCL, ...). It writes the mean into the tensors' own storage
-  (``data_ptr()`` never changes), reducing bounded staging buckets of one device and
-  dtype (no promotion), with no device synchronization, after checking that every
-  rank passes the same tensors and the same context (schedule and step). A tensor
-  is written only once its bucket's all-reduce has succeeded, so a failure leaves
-  every element at its old value or its mean (:class:`CollectiveError` says which).
-- :class:`SimulatedCollective`: ``R`` ranks in one process. Every tensor carries a
-  leading replica axis ``[R, *shape]``; the mean is taken within contiguous groups
-  of replicas, exactly as ``dist.new_subgroups`` groups ranks. It is what
-  ``vmap(axis_name=...)`` with ``lax.pmean`` gives JAX users: the same pure code
-  runs ``R`` ranks at once, for property-based tests.
-- :class:`~puredist.VmapCollective` (in :mod:`puredist.replicas`): the same for code
-  running under ``torch.func.vmap`` over the replica axis.
-
-Each has ``mean_`` (in place) and ``mean`` (new tensors, differentiable: the adjoint of
-a mean over a group is the mean of the gradients over the same group).
-
-In both, ``group_size`` selects the level: ``None`` (or the full size) averages
-over the whole group; a smaller ``g`` averages within each block of ``g``
-consecutive ranks.
-
-The mean is a sum and one division by the group size ``n``, in the tensor's dtype.
-For dtypes whose range is narrower than fp32's (fp16; bf16, whose largest value is
-just below fp32's) each value is divided *before* the sum, so the mean never overflows
-when it is representable (fp16 40000 and 30000 average to 35008, not inf), as torch's
-``average_parameters`` does; other dtypes are divided after the sum (by NCCL, its
-native ``AVG``, which for floats sums each value times ``1/n`` rounded to the dtype:
-the same where ``n`` is a power of two, within an ulp otherwise, and the same on
-every rank).
+This module must not be imported by :mod:`puredist.collectives.base` (the protocol
+every backend shares).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from puredist._autograd import AllReduceMean
 from puredist._consistency import check_same_values_on_all_ranks, start_rank_check, with_refusal
-from puredist._groups import mesh_groups, subgroup, subgroups_of
+from puredist._groups import mesh_groups, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
-from puredist._inputs import Checked, checked, checked_for_reduction
+from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
 from puredist._validation import check_bucket_cap_bytes
+from puredist.collectives.base import divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
-from puredist.staging import DEVICE_BUCKET_CAP_BYTES, HOST_BUCKET_CAP_BYTES, CollectiveHandle, StagingPool, run_staged
+from puredist.staging import (
+    DEVICE_BUCKET_CAP_BYTES,
+    HOST_BUCKET_CAP_BYTES,
+    CollectiveHandle,
+    StagingOptions,
+    StagingPool,
+    run_staged,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "BROADCAST_IN_PLACE_MIN_BYTES",
     "DEFAULT_BUCKET_CAP_BYTES",
     "DEFAULT_DEVICE_BUCKET_CAP_BYTES",
-    "Collective",
-    "CollectiveError",
-    "CollectiveHandle",
+    "AllReduceMean",
     "DistributedCollective",
-    "SimulatedCollective",
-    "divides_first",
-    "subgroup",
 ]
 
 BROADCAST_IN_PLACE_MIN_BYTES = 2**20
@@ -79,74 +61,6 @@ DEFAULT_DEVICE_BUCKET_CAP_BYTES = DEVICE_BUCKET_CAP_BYTES
 of microseconds of host time there: fewer, larger buckets)."""
 
 
-class Collective(Protocol):
-    """What the averaging functions need from a backend.
-
-    Attributes:
-        world_size: number of ranks in the whole group.
-        group_sizes: the group sizes ``mean_`` accepts (always includes
-            ``world_size``).
-        is_member: whether this process takes part (``False``: ``mean_`` is a no-op).
-    """
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def group_sizes(self) -> tuple[int, ...]: ...
-
-    @property
-    def is_member(self) -> bool: ...
-
-    def mean_(
-        self,
-        tensors: Sequence[torch.Tensor],
-        *,
-        group_size: int | None = None,
-        async_op: bool = False,
-        context: str = "",
-    ) -> "CollectiveHandle | None":
-        """Replace each tensor, in place, by its mean over the group of ``group_size``
-        ranks this rank belongs to; with ``async_op`` return a handle to wait on.
-        ``context`` (e.g. the schedule and step) must be equal on every rank."""
-        ...
-
-    def mean(
-        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
-    ) -> list[torch.Tensor]:
-        """New tensors holding each tensor's mean over the group (the inputs are not
-        written). Differentiable: the adjoint of a mean over a group is the mean of
-        the incoming gradients over the same group."""
-        ...
-
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
-        holds the same values in ``tensors``; ``context`` as for :meth:`mean_`."""
-        ...
-
-
-def check_is_collective(collective: object) -> None:
-    """Raise ``TypeError`` unless ``collective`` is a :class:`Collective` (has ``mean_``):
-    a process group passed instead is the usual mistake."""
-    if not callable(getattr(collective, "mean_", None)):
-        raise TypeError(
-            "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
-            f"...), got {type(collective).__name__}: {collective!r}."
-        )
-
-
-def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_size: int | None = None,
-                        context: object = "") -> None:
-    """This rank's refusal for ``error`` (a ``TypeError`` or ``ValueError`` found in its
-    input) through the rank check its peers run next over ``collective``'s group of
-    ``group_size`` with ``context``, where the collective has one (see
-    :meth:`DistributedCollective.refuse_on_all_ranks`): they raise at once instead of
-    waiting for this rank. The caller raises ``error`` then."""
-    refuse = getattr(collective, "refuse_on_all_ranks", None)
-    if refuse is not None:
-        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
-
-
 def _cap_options(bucket_cap_bytes: int | None, backends: Mapping[str, str]) -> str:
     """The staging caps as the rank check compares them: the caps in effect, so that a
     collective given the default's value equals one given none."""
@@ -155,27 +69,6 @@ def _cap_options(bucket_cap_bytes: int | None, backends: Mapping[str, str]) -> s
     if "nccl" in backends.values():
         return f"bucket_cap_bytes={HOST_BUCKET_CAP_BYTES} (NCCL's tensors: {DEVICE_BUCKET_CAP_BYTES})"
     return f"bucket_cap_bytes={HOST_BUCKET_CAP_BYTES}"
-
-
-def divides_first(dtype: torch.dtype) -> bool:
-    """Whether a mean in ``dtype`` divides each value before the sum: for dtypes with
-    a narrower range than fp32 (fp16), where the sum of representable values
-    overflows long before their mean does."""
-    return torch.finfo(dtype).max < torch.finfo(torch.float32).max
-
-
-def block_mean(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The mean of a ``[R, *shape]`` tensor within each block of ``group_size``
-    consecutive rows, broadcast back to every row of the block (a new contiguous
-    tensor, every row its own memory), with the division rule of the module
-    docstring. Differentiable."""
-    blocks = tensor.unflatten(0, (tensor.shape[0] // group_size, group_size))
-    if divides_first(tensor.dtype):
-        means = (blocks / group_size).sum(dim=1, keepdim=True)
-    else:
-        means = blocks.sum(dim=1, keepdim=True) / group_size
-    # contiguous: with one block, flatten would return a view whose rows share memory
-    return means.expand_as(blocks).flatten(0, 1).contiguous()
 
 
 def _runs_eagerly(method):
@@ -355,11 +248,8 @@ class DistributedCollective:
             CollectiveError: an all-reduce failed (a peer died, a timeout); every
                 element holds its old value or its mean, as the error details.
         """
-        try:
+        with refusing(self, group_size=group_size, context=context):
             given = checked(tensors)
-        except (TypeError, ValueError) as error:
-            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
-            raise
         group = self._group(group_size) if self._is_member else None
         if group is None or dist.get_world_size(group) == 1:
             return CollectiveHandle() if async_op else None
@@ -401,11 +291,9 @@ class DistributedCollective:
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             return dist.all_reduce(buffer, op=op, group=group, async_op=True)
 
-        return run_staged(
-            given.reduced, self.bucket_cap_bytes, launch, layout=given.layout,
-            what=f"Averaging over {size} ranks", async_op=async_op, pack=True, pool=self._pool, scales=scales,
-            gate=finish_check,
-        )
+        options = StagingOptions(f"Averaging over {size} ranks", scales=scales, bucket_cap_bytes=self.bucket_cap_bytes)
+        return run_staged(given.reduced, launch, options, pool=self._pool, async_op=async_op, layout=given.layout,
+                          gate=finish_check)
 
     @_runs_eagerly
     def mean(
@@ -419,11 +307,8 @@ class DistributedCollective:
         Raises:
             as :meth:`mean_`.
         """
-        try:
+        with refusing(self, group_size=group_size, context=context):
             checked_for_reduction(tensors, in_place=False)  # refused before anything is copied
-        except (TypeError, ValueError) as error:
-            refuse_on_all_ranks(self, error, group_size=group_size, context=context)
-            raise
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly
@@ -513,143 +398,42 @@ class DistributedCollective:
         group = self.process_group
         is_source = dist.get_rank(group) == src
         global_src = dist.get_global_rank(group, src)
+        options = StagingOptions(f"Broadcast from rank {src}", pack=is_source, write_back=not is_source,
+                                 bucket_cap_bytes=self.bucket_cap_bytes, alone_from=BROADCAST_IN_PLACE_MIN_BYTES)
         return run_staged(
-            given.reduced,
-            self.bucket_cap_bytes,
-            lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True),
-            what=f"Broadcast from rank {src}",
-            async_op=async_op,
-            pool=self._pool,
-            pack=is_source,
-            write_back=not is_source,
-            alone_from=BROADCAST_IN_PLACE_MIN_BYTES,
-            layout=given.layout,
+            given.reduced, lambda buffer: dist.broadcast(buffer, src=global_src, group=group, async_op=True), options,
+            pool=self._pool, async_op=async_op, layout=given.layout,
         )
 
 
-class ReplicaGroups:
-    """What the one-process backends share: ``num_replicas`` simulated ranks, grouped
-    in blocks of consecutive replicas as ``dist.new_subgroups`` groups ranks.
+class AllReduceMean(torch.autograd.Function):
+    """``DistributedCollective.mean`` as a differentiable function: forward averages
+    copies of the inputs, backward averages the incoming gradients over the same
+    group (every rank runs the backward, as every rank ran the forward).
 
-    Args:
-        num_replicas: the number of simulated ranks, ``>= 1``.
+    Not usable under ``torch.func.vmap`` (each process is one rank): its ``vmap`` rule
+    raises and names :class:`~puredist.VmapCollective`."""
 
-    Raises:
-        ValueError: ``num_replicas < 1``.
-    """
+    @staticmethod
+    def forward(collective: "DistributedCollective", group_size: int | None, context: str, *tensors: torch.Tensor):
+        copies = [t.detach().clone() for t in tensors]
+        collective.mean_(checked_like(tensors, copies, why="clone"), group_size=group_size, context=context)
+        return tuple(copies)
 
-    def __init__(self, num_replicas: int) -> None:
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"Arg ``num_replicas`` must be a positive int, got {num_replicas!r}.")
-        self.num_replicas = num_replicas
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.collective, ctx.group_size, ctx.context = inputs[:3]
 
-    @property
-    def world_size(self) -> int:
-        return self.num_replicas
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        # the function again (under torch.func its forward sees plain tensors): and
+        # so differentiable twice
+        means = AllReduceMean.apply(ctx.collective, ctx.group_size, f"backward of {ctx.context}", *grads)
+        return (None, None, None, *means)
 
-    @property
-    def group_sizes(self) -> tuple[int, ...]:
-        return tuple(g for g in range(1, self.num_replicas + 1) if self.num_replicas % g == 0)
-
-    @property
-    def is_member(self) -> bool:
-        return True
-
-    def _size(self, group_size: int | None) -> int:
-        """``group_size`` resolved (``None``: all replicas) and checked."""
-        size = self.num_replicas if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size not in self.group_sizes:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size} must divide the number of replicas {self.num_replicas}."
-            )
-        return size
-
-
-def _named(arg: str) -> str:
-    """``arg`` as a message's subject: an argument's name (an identifier) quoted as one."""
-    return f"Arg ``{arg}``" if arg.isidentifier() else arg
-
-
-class SimulatedCollective(ReplicaGroups):
-    """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
-
-    Every tensor passed to :meth:`mean_` has shape ``[num_replicas, *shape]``; row
-    ``r`` is rank ``r``'s value. The mean is computed as a sum then one division in
-    the tensor's dtype, as :class:`DistributedCollective` does over Gloo.
-
-    Args:
-        num_replicas: the number of simulated ranks, ``>= 1``.
-
-    Raises:
-        ValueError: ``num_replicas < 1``.
-    """
-
-    def mean_(
-        self,
-        tensors: Sequence[torch.Tensor],
-        *,
-        group_size: int | None = None,
-        async_op: bool = False,
-        context: str = "",
-    ) -> CollectiveHandle | None:
-        """Average each ``[R, *shape]`` tensor in place within blocks of
-        ``group_size`` consecutive replicas (``None``: all ``R``), with the division
-        rule of :class:`DistributedCollective` (``context`` is accepted for the same
-        signature: one process cannot disagree with itself).
-
-        Raises:
-            TypeError, ValueError: a tensor that cannot be averaged, ``group_size``
-                does not divide ``R``, or a tensor's leading dimension is not ``R``
-                (checked for all before any is written).
-        """
-        del context
-        tensors = checked_for_reduction(tensors)
-        size = self._checked_size(tensors, group_size)
-        with torch.no_grad():
-            for tensor in tensors:
-                tensor.copy_(block_mean(tensor.detach(), size))
-        return CollectiveHandle() if async_op else None
-
-    def mean(
-        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
-    ) -> list[torch.Tensor]:
-        """New ``[R, *shape]`` tensors holding the means of :meth:`mean_`; the inputs
-        are only read. Differentiable (plain torch operations)."""
-        del context
-        tensors = checked_for_reduction(tensors, in_place=False)
-        size = self._checked_size(tensors, group_size)
-        return [block_mean(tensor, size) for tensor in tensors]
-
-    def _checked_size(self, tensors: Sequence[torch.Tensor], group_size: int | None) -> int:
-        size = self._size(group_size)
-        self.check_stacked(tensors)
-        return size
-
-    def check_stacked(self, tensors: Sequence[torch.Tensor], *, arg: str = "tensors") -> None:
-        """Raise ``ValueError`` naming ``arg`` (an argument's name, or what the tensors
-        are) unless every tensor is stacked ``[num_replicas, *shape]`` (one row per
-        simulated rank)."""
-        for position, tensor in enumerate(tensors):
-            if tensor.dim() == 0 or tensor.shape[0] != self.num_replicas:
-                raise ValueError(
-                    f"{_named(arg)}: tensor {position} has shape {tuple(tensor.shape)}; simulated, every tensor is "
-                    f"stacked [{self.num_replicas}, *shape] (one row per rank): pass tensors of {self.num_replicas} "
-                    "rows, or a SimulatedCollective of as many replicas as they have rows."
-                )
-
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of
-        each ``[R, *shape]`` tensor is bit-identical to the first.
-
-        Raises:
-            ValueError: a tensor's leading dimension is not ``R`` (as :meth:`check_stacked`).
-        """
-        del context
-        self.check_stacked(tensors, arg=what)
-        rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
-        differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
-        if differing:
-            raise RankMismatchError(
-                f"Tensors {differing} (of {len(tensors)}) differ between replicas; they must start equal on "
-                f"every replica. Checked: {what}."
-            )
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise ValueError(
+            "A DistributedCollective cannot average inside torch.func.vmap (each process is one rank); "
+            "for simulated ranks mapped by vmap use puredist.VmapCollective(num_replicas)."
+        )

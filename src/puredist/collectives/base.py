@@ -1,0 +1,160 @@
+"""The :class:`Collective` protocol and what every backend shares: the division rule
+of a mean (:func:`divides_first`, :func:`block_mean`), the check that an argument is a
+collective, and a rank's refusal told to its peers before it raises.
+
+The mean is a sum and one division by the group size ``n``, in the tensor's dtype.
+For dtypes whose range is narrower than fp32's (fp16; bf16, whose largest value is
+just below fp32's) each value is divided *before* the sum, so the mean never overflows
+when it is representable (fp16 40000 and 30000 average to 35008, not inf), as torch's
+``average_parameters`` does; other dtypes are divided after the sum (by NCCL, its
+native ``AVG``, which for floats sums each value times ``1/n`` rounded to the dtype:
+the same where ``n`` is a power of two, within an ulp otherwise, and the same on
+every rank).
+
+This module must not import a backend (:mod:`puredist.collectives.distributed`,
+:mod:`puredist.collectives.simulated`): they import it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from puredist.staging import CollectiveHandle
+
+__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refuse_on_all_ranks", "refusing"]
+
+
+class Collective(Protocol):
+    """What the averaging functions need from a backend.
+
+    Attributes:
+        world_size: number of ranks in the whole group.
+        group_sizes: the group sizes ``mean_`` accepts (always includes
+            ``world_size``).
+        is_member: whether this process takes part (``False``: ``mean_`` is a no-op).
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def is_member(self) -> bool: ...
+
+    def mean_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        group_size: int | None = None,
+        async_op: bool = False,
+        context: str = "",
+    ) -> "CollectiveHandle | None":
+        """Replace each tensor, in place, by its mean over the group of ``group_size``
+        ranks this rank belongs to; with ``async_op`` return a handle to wait on.
+        ``context`` (e.g. the schedule and step) must be equal on every rank."""
+        ...
+
+    def mean(
+        self, tensors: Sequence[torch.Tensor], *, group_size: int | None = None, context: str = ""
+    ) -> list[torch.Tensor]:
+        """New tensors holding each tensor's mean over the group (the inputs are not
+        written). Differentiable: the adjoint of a mean over a group is the mean of
+        the incoming gradients over the same group."""
+        ...
+
+    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
+        """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
+        holds the same values in ``tensors``; ``context`` as for :meth:`mean_`."""
+        ...
+
+
+def check_is_collective(collective: object) -> None:
+    """Raise ``TypeError`` unless ``collective`` is a :class:`Collective` (has ``mean_``):
+    a process group passed instead is the usual mistake."""
+    if not callable(getattr(collective, "mean_", None)):
+        raise TypeError(
+            "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
+            f"...), got {type(collective).__name__}: {collective!r}."
+        )
+
+
+def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_size: int | None = None,
+                        context: object = "") -> None:
+    """This rank's refusal for ``error`` (a ``TypeError`` or ``ValueError`` found in its
+    input) through the rank check its peers run next over ``collective``'s group of
+    ``group_size`` with ``context``, where the collective has one (see
+    :meth:`~puredist.collectives.distributed.DistributedCollective.refuse_on_all_ranks`): they raise at once instead of
+    waiting for this rank. The caller raises ``error`` then; :class:`refusing` does both."""
+    refuse = getattr(collective, "refuse_on_all_ranks", None)
+    if refuse is not None:
+        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
+
+
+class refusing:  # (a context manager: named as contextlib.suppress is)
+    """Tell the peers that this rank refuses, then raise: the checks of this rank's input
+    before a collective run inside ::
+
+        with refusing(collective, group_size=group_size, context=context):
+            given = checked(tensors)  # raises TypeError or ValueError on bad input
+        collective.mean_(given, group_size=group_size, context=context)
+
+    A ``TypeError`` or ``ValueError`` leaving the block is this rank's refusal: it first
+    goes through the rank check that the peers run next, over ``collective``'s group of
+    ``group_size`` with ``context`` (:func:`refuse_on_all_ranks`), so that they raise
+    :class:`~puredist.RankMismatchError` naming it at once instead of waiting for this
+    rank until the backend's timeout; then it propagates unchanged (type, message,
+    traceback). Any other exception propagates without telling anyone; a block that
+    raises nothing costs one small object.
+
+    ``group_size`` and ``context`` must be those of the peers' *next* rank check (the
+    first collective of the operation refused); where the operation communicates
+    nothing, no peer runs one: use no ``refusing`` then (telling would wait for peers
+    that never come).
+
+    Args:
+        collective: the collective the operation runs on; one without
+            ``refuse_on_all_ranks`` (one process: simulated, vmapped) tells nobody.
+        group_size: the size of the group the peers check next (``None``: the whole group).
+        context: that check's context: any object, formatted only when this rank
+            refuses (pass a lazily formatted one where formatting costs).
+    """
+
+    __slots__ = ("collective", "context", "group_size")
+
+    def __init__(self, collective: "Collective", *, group_size: int | None = None, context: object = "") -> None:
+        self.collective = collective
+        self.group_size = group_size
+        self.context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, (TypeError, ValueError)):
+            refuse_on_all_ranks(self.collective, error, group_size=self.group_size, context=self.context)
+        return False  # (the error propagates as it is)
+
+
+def divides_first(dtype: torch.dtype) -> bool:
+    """Whether a mean in ``dtype`` divides each value before the sum: for dtypes with
+    a narrower range than fp32 (fp16), where the sum of representable values
+    overflows long before their mean does."""
+    return torch.finfo(dtype).max < torch.finfo(torch.float32).max
+
+
+def block_mean(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The mean of a ``[R, *shape]`` tensor within each block of ``group_size``
+    consecutive rows, broadcast back to every row of the block (a new contiguous
+    tensor, every row its own memory), with the division rule of the module
+    docstring. Differentiable."""
+    blocks = tensor.unflatten(0, (tensor.shape[0] // group_size, group_size))
+    if divides_first(tensor.dtype):
+        means = (blocks / group_size).sum(dim=1, keepdim=True)
+    else:
+        means = blocks.sum(dim=1, keepdim=True) / group_size
+    # contiguous: with one block, flatten would return a view whose rows share memory
+    return means.expand_as(blocks).flatten(0, 1).contiguous()
