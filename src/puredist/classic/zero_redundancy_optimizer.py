@@ -28,14 +28,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from puredist._validation import as_int
 from puredist.classic._zero_arguments import (  # noqa: F401 (OVERLAP_OPTIMIZERS: importable from here, as it was)
     OVERLAP_OPTIMIZERS,
     _check_dense_on_one_device,
     _listed_params,
     _local_optimizer,
 )
-from puredist.classic._zero_state_dict import _NOT_CONSOLIDATED, _check_saved_entry
+from puredist.classic._zero_state_dict import (
+    _NOT_CONSOLIDATED,
+    _hyper_parameters,
+    gathered_state,
+    local_share,
+    packed_param_groups,
+)
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
@@ -43,14 +48,6 @@ from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-_NOT_SETTINGS = ("params", "param_names")
-"""Param-group keys that list parameters: the local optimizer's hold this rank's only."""
-
-
-def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
 
 
 def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
@@ -338,45 +335,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         says that this one failed instead of returning a stale state."""
         self._consolidated, self._consolidation_error = None, None
         try:
-            self._consolidate(to)
+            self._consolidated = gathered_state(
+                self._collective, self._plan, self._iteration, self._all_params, self.optim.state, to
+            )
         except Exception as error:
             self._consolidation_error = error
             raise
-
-    def _consolidate(self, to: int) -> None:
-        to = as_int(to)  # (numpy's ints too, as torch takes them)
-        if not (isinstance(to, int) and not isinstance(to, bool) and 0 <= to < self._collective.world_size):
-            raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {self._collective.world_size}), got {to!r}.")
-        params = self._all_params
-        # ranks at other steps (or one stepping while another consolidates) would gather states of different sizes
-        self._collective.check_same_on_all_ranks(
-            params, context=f"plan {self._plan.digest()} step {self._iteration} consolidate to {to}",
-            what="ZeroRedundancyOptimizer.consolidate_state_dict",
-        )
-        local = {
-            index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
-            for index in self._plan.owned_by(self.rank)
-            if params[index] in self.optim.state
-        }
-        group = self.process_group
-        gathered = [None] * self._collective.world_size if self.rank == to else None
-        dist.gather_object(local, gathered, dst=dist.get_global_rank(group, to), group=group)
-        if self.rank != to:
-            self._consolidated = None
-            return
-        merged = {index: entry for part in gathered for index, entry in part.items()}
-        self._consolidated = dict(sorted(merged.items()))
-
-    def _packed_param_groups(self) -> list[dict[str, Any]]:
-        """``param_groups`` as ``torch.optim`` saves them: each group's settings as
-        they are now, its parameters as their indices in ``params`` order."""
-        packed_groups, start = [], 0
-        for group_dict in self.param_groups:
-            count = len(group_dict["params"])
-            settings = {k: v for k, v in group_dict.items() if k != "params"}  # param_names kept
-            packed_groups.append({**settings, "params": list(range(start, start + count))})
-            start += count
-        return packed_groups
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim`` format (loadable into the
@@ -398,7 +362,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class runs them
             pre_hook(self)
         # (a hook may change the dict it is given: not the consolidation)
-        state_dict = {"state": dict(self._consolidated), "param_groups": self._packed_param_groups()}
+        state_dict = {"state": dict(self._consolidated), "param_groups": packed_param_groups(self.param_groups)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
@@ -425,27 +389,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-        saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
-        params, group_of = self._all_params, self._group_of()
-        for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
-            _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, self._optimizer_class)
-        mine = self._plan.owned_by(self.rank)
-        local_state, local_groups, next_id = {}, [], 0
-        for g, saved in enumerate(saved_groups):
-            in_group = [i for i in mine if group_of[i] == g]
-            local_ids = list(range(next_id, next_id + len(in_group)))
-            next_id += len(in_group)
-            for local_id, index in zip(local_ids, in_group):
-                if state_dict["state"].get(saved_ids[index]):
-                    local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
-            local_groups.append({**_hyper_parameters(saved), "params": local_ids})
+        local_state, local_groups = local_share(
+            state_dict, self.param_groups, self._plan.owned_by(self.rank), self._optimizer_class
+        )
         self.optim.load_state_dict({"state": local_state, "param_groups": copy.deepcopy(local_groups)})
-        _sync_param_groups(copy.deepcopy(saved_groups), self.param_groups)
+        _sync_param_groups(copy.deepcopy(state_dict["param_groups"]), self.param_groups)
         self._pristine = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
