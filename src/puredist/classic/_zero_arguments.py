@@ -28,7 +28,7 @@ OVERLAP_OPTIMIZERS = (
 with a functional form, whose state is per parameter)."""
 
 
-def _listed_params(params: Any) -> list:
+def listed_params(params: Any) -> list:
     """``params`` as a list, with torch's errors for what an optimizer cannot take."""
     if isinstance(params, torch.Tensor):
         raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
@@ -54,7 +54,7 @@ _FUNCTIONAL_FORMS = tuple(functional_optim_map.items())
 functional form, and takes either class there."""
 
 
-def _local_optimizer(optimizer_class: Any, overlap_with_ddp: bool, defaults: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def local_optimizer(optimizer_class: Any, overlap_with_ddp: bool, defaults: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """What builds the local optimizer and with which arguments, as torch checks them:
     anything that builds an optimizer from param groups and keywords (a class,
     ``functools.partial`` of one); with the overlap, one of ``OVERLAP_OPTIMIZERS``
@@ -99,7 +99,7 @@ def _as_arguments_of(plain: type, functional: type, given: dict[str, Any]) -> di
     return {**unset, **given}
 
 
-def _check_dense_on_one_device(params: Sequence[torch.Tensor], arg: str) -> None:
+def check_dense_on_one_device(params: Sequence[torch.Tensor], arg: str) -> None:
     """Raise ``ValueError`` naming ``arg`` unless every parameter is dense and all
     live on one device (what the staged broadcasts take)."""
     sparse = [i for i, p in enumerate(params) if p.layout != torch.strided]

@@ -18,7 +18,7 @@ from puredist._validation import as_int
 from puredist.collectives import DistributedCollective
 from puredist.sharding import ZeroPlan
 
-_NOT_CONSOLIDATED = (
+NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call "
     "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
 )
@@ -65,7 +65,7 @@ _NOT_SETTINGS = ("params", "param_names")
 """Param-group keys that list parameters: the local optimizer's hold this rank's only."""
 
 
-def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
+def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
 
 
@@ -144,5 +144,5 @@ def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any
         for local_id, index in zip(local_ids, in_group):
             if state_dict["state"].get(saved_ids[index]):
                 local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
-        local_groups.append({**_hyper_parameters(saved), "params": local_ids})
+        local_groups.append({**hyper_parameters(saved), "params": local_ids})
     return local_state, local_groups

@@ -30,14 +30,14 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from puredist.classic._zero_arguments import (  # noqa: F401 (OVERLAP_OPTIMIZERS: importable from here, as it was)
     OVERLAP_OPTIMIZERS,
-    _check_dense_on_one_device,
-    _listed_params,
-    _local_optimizer,
+    check_dense_on_one_device,
+    listed_params,
+    local_optimizer,
 )
 from puredist.classic._zero_state_dict import (
-    _NOT_CONSOLIDATED,
-    _hyper_parameters,
+    NOT_CONSOLIDATED,
     gathered_state,
+    hyper_parameters,
     local_share,
     packed_param_groups,
 )
@@ -54,7 +54,7 @@ def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[s
     """Copy every setting (all but the parameter lists) from each group of
     ``source`` to ``target``'s."""
     for source_group, target_group in zip(source, target, strict=True):
-        target_group.update(_hyper_parameters(source_group))
+        target_group.update(hyper_parameters(source_group))
 
 
 @contextmanager
@@ -129,8 +129,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ):
-        params = _listed_params(params)
-        optimizer_class, defaults = _local_optimizer(optimizer_class, overlap_with_ddp, defaults)
+        params = listed_params(params)
+        optimizer_class, defaults = local_optimizer(optimizer_class, overlap_with_ddp, defaults)
         self._optimizer_class = optimizer_class
         self._overlap_with_ddp = overlap_with_ddp
         self.parameters_as_bucket_view = parameters_as_bucket_view
@@ -147,7 +147,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         if overlap_with_ddp and len(self.param_groups) > 1:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
-        _check_dense_on_one_device(self._all_params, "params")
+        check_dense_on_one_device(self._all_params, "params")
         self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
         self.initialized = True
 
@@ -194,7 +194,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "register the ZeRO hook right after building the optimizer and DDP."
             )
         local_groups = [
-            {**_hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
+            {**hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
         ]
         optim = self._optimizer_class(local_groups, **self.defaults)
         if not isinstance(optim, torch.optim.Optimizer):
@@ -255,7 +255,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if self.optim is None:
             return  # still in __init__: the plan comes once every group is in
         try:  # as the parameters given when built (before any rank steps a parameter it cannot broadcast)
-            _check_dense_on_one_device(self._all_params, "param_group")
+            check_dense_on_one_device(self._all_params, "param_group")
         except ValueError:
             self.param_groups.pop()
             raise
@@ -264,7 +264,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         extension = plan_zero(sizes[old:], plan.world_size, start_loads=plan.loads(sizes[:old]))
         self._plan = ZeroPlan(plan.world_size, plan.owners + extension.owners)
         group = self.param_groups[-1]
-        self.optim.add_param_group({**_hyper_parameters(group), "params": self._owned(self._plan, len(self.param_groups) - 1)})
+        self.optim.add_param_group({**hyper_parameters(group), "params": self._owned(self._plan, len(self.param_groups) - 1)})
         _sync_param_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
@@ -358,7 +358,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"{self._consolidation_error}); there is no current state to return. Call it again on every rank."
             ) from self._consolidation_error
         if self._consolidated is None:
-            raise RuntimeError(_NOT_CONSOLIDATED.format(rank=self.rank))
+            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class runs them
             pre_hook(self)
         # (a hook may change the dict it is given: not the consolidation)

@@ -44,7 +44,6 @@ all-reduce sends ``2 (W - 1) / W`` tensors: the format's ratio (payload of ``n``
 int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``; top-k
 selects within each chunk).
 
-
 One concern a module: :mod:`puredist.compression.codecs` (the codes),
 :mod:`puredist.compression.phases` (how payloads travel and are averaged),
 :mod:`puredist.compression.averager` (the leaves, their residuals, the checks, the

@@ -12,15 +12,15 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from puredist._consistency import refusals, with_refusal
+from puredist._docs import fields_documented
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
 from puredist.compression.codecs import Compressor, check_compressor
-from puredist.compression.phases import _gathered_mean, _raise_non_finite, _two_phase_mean
+from puredist.compression.phases import gathered_mean, raise_non_finite, two_phase_mean
 from puredist.errors import RankMismatchError
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
-from puredist._docs import fields_documented
 
 
 @fields_documented
@@ -200,19 +200,19 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
         if not torch.isfinite(leaf.detach().float() + residual).all()
     )
     if _gathers(collective):  # one torchft step; a replica's non-finite values make its context differ
-        return _gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
+        return gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
     if not simulated:  # every rank learns whether any rank has a non-finite value
         try:
             collective.check_same_on_all_ranks(given, context=with_refusal(context, where), what="a compressed averaging")
         except RankMismatchError as error:
             if refusals(error):
-                _raise_non_finite(refusals(error), context)
+                raise_non_finite(refusals(error), context)
             raise
     if not finite:
-        _raise_non_finite([f"this rank: {where}"], context)
+        raise_non_finite([f"this rank: {where}"], context)
     if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
         return rows[0], torch.zeros_like(rows)
-    return _two_phase_mean(rows, compressor, collective, simulated, leaves)
+    return two_phase_mean(rows, compressor, collective, simulated, leaves)
 
 
 def _outputs(mean: torch.Tensor, left: torch.Tensor, leaves, given, residuals, count: int):

@@ -51,7 +51,7 @@ def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
     return (sum(chunk.double() for chunk in chunks) / len(chunks)).float()
 
 
-def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
+def gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
                    context: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, left)`` of this replica's row (``[1, numel]``) by one phase: every
     contributing replica's whole row, compressed, gathered by all; the mean of the
@@ -65,16 +65,16 @@ def _gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     try:
         gathered = collective.all_gather_rows(list(payload), context=context, refused=not finite)
     except ValueError as refusal:  # some replica refused (every one voted against the step: not committed)
-        _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}" if not finite else str(refusal)], context)
+        raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}" if not finite else str(refusal)], context)
     except (RankMismatchError, CollectiveError):
         if not finite:  # (it voted against the step: not committed)
-            _raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
+            raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
         raise
     mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
     return mean, rows - compressor.decode(payload, numel)
 
 
-def _raise_non_finite(where: list[str], context: str) -> None:
+def raise_non_finite(where: list[str], context: str) -> None:
     raise ValueError(
         f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN ({'; '.join(where)}): a block's scale, "
         f"and then the residual, would be non-finite for good. Nothing was sent, on any rank, and the state passed "
@@ -84,7 +84,7 @@ def _raise_non_finite(where: list[str], context: str) -> None:
     )
 
 
-def _two_phase_mean(
+def two_phase_mean(
     rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool, leaves: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, left)`` of ``rows`` (``[count, numel]``, one row per simulated rank or
