@@ -330,7 +330,7 @@ def _peer_dies_in(phase, rank, world_size):
     import puredist.compression
 
     if rank == 1:  # passes the rank check (and phase 1, when dying in phase 2), then dies instead of sending
-        setattr(puredist.compression, phase, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+        setattr(puredist.compression.phases, phase, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
     averager = compressed_averager(int8_blocks(16))
     x = [torch.randn(64)]
     state = averager.init(x)
@@ -400,3 +400,25 @@ def _outside_the_group(rank, world_size):
 def test_a_rank_outside_the_group_returns_tensors_of_its_own():
     # a rank outside the collective's group returned the residuals passed in as its new state's
     assert run_workers(_outside_the_group, 2) == [True, True]
+
+
+def test_the_compression_modules_keep_their_contracts_and_form_no_cycle():
+    """The package's contracts, checked on the imports themselves (those under
+    ``TYPE_CHECKING`` included): the codes talk to no rank and use nothing of puredist
+    but its docs helper; the phases read no checks (the averager ran them first) and do
+    not reach back into the averager; no module imports one that imports it back."""
+    import pathlib
+
+    import puredist.compression
+    from import_rules import cycles, package_imports
+
+    graph = package_imports(pathlib.Path(puredist.compression.__file__).parent, "puredist.compression")
+    assert set(graph) == {f"puredist.compression{m}" for m in ("", ".codecs", ".phases", ".averager")}
+    codecs = graph["puredist.compression.codecs"]
+    assert not any(m.startswith(("torch.distributed", "puredist.collectives")) for m in codecs), sorted(codecs)
+    assert {m for m in codecs if m.split(".")[0] == "puredist"} <= {"puredist._docs"}, sorted(codecs)
+    checks = {"puredist._inputs", "puredist._validation", "puredist._layout", "puredist._dtensors"}
+    phases = graph["puredist.compression.phases"]
+    assert not phases & (checks | {"puredist.compression.averager"}), sorted(phases)
+    within = {name: {m for m in imported if m.startswith("puredist.compression.")} for name, imported in graph.items()}
+    assert not cycles(within), f"import cycles through {cycles(within)}"

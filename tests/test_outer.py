@@ -1,7 +1,9 @@
 """Outer optimization (DiLoCo) on the simulated backend against a float64
 brute-force loop written from the definition; its special cases; buffers."""
 
+import math
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -221,22 +223,26 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
 @given(st.integers(1, 8), st.integers(0, 5), st.data())
 def test_the_schedule_alone_starts_each_fragment_every_sync_every_steps_staggered_by_its_share(sync_every, warmup, data):
     """``puredist.outer.schedule`` without tensors, against the documented schedule
-    enumerated forwards: fragment f starts at warmup + floor(f * H / F), then every H
-    steps; its first synchronization is the one at its start; the lower level averages
-    the fragments neither starting nor in flight."""
+    enumerated forwards, step by step: fragment f starts at warmup + floor(f * H / F),
+    then every H steps; ``sync_number`` counts its synchronizations from 0 there, its
+    first being the one at its start; the lower level averages the fragments neither
+    starting nor in flight."""
     from puredist.outer.config import OuterConfig
-    from puredist.outer.schedule import due_fragments, is_first_sync, lower_level_fragments
+    from puredist.outer.schedule import due_fragments, is_first_sync, lower_level_fragments, sync_number
 
     fragments = data.draw(st.integers(1, sync_every))
     config = OuterConfig(puredist.sgd(0.7), sync_every, warmup, 0, fragments, lower_levels={1: 1})
     steps = 3 * sync_every + warmup + 2
-    expected = {step: [] for step in range(steps)}
-    for f in range(fragments):
-        first = warmup + f * sync_every // fragments
-        for step in range(first, steps, sync_every):
-            expected[step].append(f)
-        assert is_first_sync(config, f, first) and not is_first_sync(config, f, first + sync_every)
-    assert {step: due_fragments(config, step) for step in range(steps)} == expected
+    next_start = [warmup + math.floor(Fraction(f * sync_every, fragments)) for f in range(fragments)]
+    done = [0] * fragments  # synchronizations started so far, per fragment
+    for step in range(steps):
+        expected = {}
+        for f in range(fragments):
+            if step == next_start[f]:
+                expected[f], done[f], next_start[f] = done[f], done[f] + 1, step + sync_every
+        assert {f: sync_number(config, f, step) for f in range(fragments)} == {f: expected.get(f) for f in range(fragments)}
+        assert due_fragments(config, step) == sorted(expected)
+        assert [is_first_sync(config, f, step) for f in range(fragments)] == [expected.get(f) == 0 for f in range(fragments)]
     level, idle = lower_level_fragments(config, warmup + 1, busy={0})
     assert level == 0 and idle == list(range(1, fragments))
 

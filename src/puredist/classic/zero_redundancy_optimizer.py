@@ -20,7 +20,6 @@ entry on every rank before changing anything and never modifies its argument.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -28,9 +27,20 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.distributed.optim.utils import functional_optim_map
 
-from puredist._validation import as_int
+from puredist.classic._zero_arguments import (  # noqa: F401 (OVERLAP_OPTIMIZERS: importable from here, as it was)
+    OVERLAP_OPTIMIZERS,
+    check_dense_on_one_device,
+    listed_params,
+    local_optimizer,
+)
+from puredist.classic._zero_state_dict import (
+    NOT_CONSOLIDATED,
+    gathered_state,
+    hyper_parameters,
+    local_share,
+    packed_param_groups,
+)
 from puredist.collectives import CollectiveHandle, DistributedCollective
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
@@ -39,139 +49,12 @@ __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-_NOT_CONSOLIDATED = (
-    "Optimizer state has not been consolidated on this rank. Please call "
-    "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
-)
-
-OVERLAP_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.Adamax,
-)
-"""The optimizers ``overlap_with_ddp=True`` accepts: torch's own list there (those
-with a functional form, whose state is per parameter)."""
-
-_KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
-    # class: (state fields shaped like the parameter, scalar state fields)
-    torch.optim.SGD: (frozenset({"momentum_buffer"}), frozenset()),
-    torch.optim.Adam: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
-    torch.optim.AdamW: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
-    torch.optim.Adagrad: (frozenset({"sum"}), frozenset({"step"})),
-    torch.optim.Adadelta: (frozenset({"square_avg", "acc_delta"}), frozenset({"step"})),
-    torch.optim.RMSprop: (frozenset({"square_avg", "momentum_buffer", "grad_avg"}), frozenset({"step"})),
-    torch.optim.Rprop: (frozenset({"prev", "step_size"}), frozenset({"step"})),
-    torch.optim.Adamax: (frozenset({"exp_avg", "exp_inf"}), frozenset({"step"})),
-    torch.optim.NAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step", "mu_product"})),
-    torch.optim.RAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step"})),
-}
-"""Per-parameter state layouts of torch's optimizers, to recognise a checkpoint of
-another optimizer at load. Subclasses and other optimizers are not checked by field."""
-
-
-def _listed_params(params: Any) -> list:
-    """``params`` as a list, with torch's errors for what an optimizer cannot take."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
-    try:
-        listed = list(params)
-    except TypeError as error:
-        raise TypeError(f"`params` argument should be an iterable of Tensors or dicts, but got {torch.typename(params)}") from error
-    if not listed:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if not all(isinstance(p, torch.Tensor) for p in listed):
-        if not all(isinstance(p, dict) for p in listed):
-            raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-        if any("params" not in group for group in listed):
-            raise ValueError(
-                "Each parameter group passed-in via `params` must have a 'params' key mapping to the parameters in "
-                "the group"
-            )
-    return listed
-
-
-_FUNCTIONAL_FORMS = tuple(functional_optim_map.items())
-"""``(torch.optim class, torch's functional form of it)``: torch's overlap runs the
-functional form, and takes either class there."""
-
-
-def _local_optimizer(optimizer_class: Any, overlap_with_ddp: bool, defaults: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """What builds the local optimizer and with which arguments, as torch checks them:
-    anything that builds an optimizer from param groups and keywords (a class,
-    ``functools.partial`` of one); with the overlap, one of ``OVERLAP_OPTIMIZERS``
-    or torch's functional form of one, which torch refuses without it. For a
-    functional form, its ``torch.optim`` class is built with the functional form's
-    defaults for the arguments not given (torch's functional SGD steps at lr 0.01,
-    its kernels one tensor at a time); arguments only the functional form takes are refused."""
-    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
-    if not callable(optimizer_class):
-        raise TypeError(
-            f"Arg ``optimizer_class`` must build a torch.optim.Optimizer (a class, or e.g. functools.partial of one), "
-            f"got {name} of type {type(optimizer_class).__name__}."
-        )
-    for plain, functional in _FUNCTIONAL_FORMS:
-        if optimizer_class is functional:
-            if not overlap_with_ddp:
-                raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
-            optimizer_class, defaults = plain, _as_arguments_of(plain, functional, defaults)
-    if overlap_with_ddp and optimizer_class not in OVERLAP_OPTIMIZERS:
-        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in OVERLAP_OPTIMIZERS)
-        raise ValueError(
-            f"Arg ``optimizer_class`` {name} is not supported with `overlap_with_ddp=True` "
-            f"(its step must be per parameter); supported: {supported}."
-        )
-    return optimizer_class, defaults
-
-
-def _as_arguments_of(plain: type, functional: type, given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` (arguments of ``functional``) with ``functional``'s defaults for the
-    others that ``plain`` takes; ``ValueError`` for one ``plain`` does not take."""
-    takes = inspect.signature(plain).parameters
-    foreign = sorted(set(given) - set(takes))
-    if foreign:
-        raise ValueError(
-            f"Arg ``{foreign[0]}`` of {functional.__name__} is not supported: puredist's overlap steps "
-            f"torch.optim.{plain.__name__}, which takes no {foreign[0]!r}."
-        )
-    unset = {
-        name: parameter.default for name, parameter in inspect.signature(functional).parameters.items()
-        if name in takes and name not in given and name != "params" and parameter.default is not inspect.Parameter.empty
-    }
-    return {**unset, **given}
-
-
-_NOT_SETTINGS = ("params", "param_names")
-"""Param-group keys that list parameters: the local optimizer's hold this rank's only."""
-
-
-def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
-
 
 def _sync_param_groups(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
     """Copy every setting (all but the parameter lists) from each group of
     ``source`` to ``target``'s."""
     for source_group, target_group in zip(source, target, strict=True):
-        target_group.update(_hyper_parameters(source_group))
-
-
-def _check_dense_on_one_device(params: Sequence[torch.Tensor], arg: str) -> None:
-    """Raise ``ValueError`` naming ``arg`` unless every parameter is dense and all
-    live on one device (what the staged broadcasts take)."""
-    sparse = [i for i, p in enumerate(params) if p.layout != torch.strided]
-    if sparse:
-        raise ValueError(
-            f"Arg ``{arg}``: ZeroRedundancyOptimizer only supports dense (strided) parameters, "
-            f"got {params[sparse[0]].layout} at parameter {sparse[0]}."
-        )
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(f"Arg ``{arg}``: parameters must live on one device, got parameters on {sorted(map(str, devices))}.")
+        target_group.update(hyper_parameters(source_group))
 
 
 @contextmanager
@@ -246,8 +129,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ):
-        params = _listed_params(params)
-        optimizer_class, defaults = _local_optimizer(optimizer_class, overlap_with_ddp, defaults)
+        params = listed_params(params)
+        optimizer_class, defaults = local_optimizer(optimizer_class, overlap_with_ddp, defaults)
         self._optimizer_class = optimizer_class
         self._overlap_with_ddp = overlap_with_ddp
         self.parameters_as_bucket_view = parameters_as_bucket_view
@@ -264,7 +147,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         if overlap_with_ddp and len(self.param_groups) > 1:
             raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
-        _check_dense_on_one_device(self._all_params, "params")
+        check_dense_on_one_device(self._all_params, "params")
         self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
         self.initialized = True
 
@@ -311,7 +194,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "register the ZeRO hook right after building the optimizer and DDP."
             )
         local_groups = [
-            {**_hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
+            {**hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
         ]
         optim = self._optimizer_class(local_groups, **self.defaults)
         if not isinstance(optim, torch.optim.Optimizer):
@@ -372,7 +255,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if self.optim is None:
             return  # still in __init__: the plan comes once every group is in
         try:  # as the parameters given when built (before any rank steps a parameter it cannot broadcast)
-            _check_dense_on_one_device(self._all_params, "param_group")
+            check_dense_on_one_device(self._all_params, "param_group")
         except ValueError:
             self.param_groups.pop()
             raise
@@ -381,7 +264,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         extension = plan_zero(sizes[old:], plan.world_size, start_loads=plan.loads(sizes[:old]))
         self._plan = ZeroPlan(plan.world_size, plan.owners + extension.owners)
         group = self.param_groups[-1]
-        self.optim.add_param_group({**_hyper_parameters(group), "params": self._owned(self._plan, len(self.param_groups) - 1)})
+        self.optim.add_param_group({**hyper_parameters(group), "params": self._owned(self._plan, len(self.param_groups) - 1)})
         _sync_param_groups(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
@@ -452,45 +335,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         says that this one failed instead of returning a stale state."""
         self._consolidated, self._consolidation_error = None, None
         try:
-            self._consolidate(to)
+            self._consolidated = gathered_state(
+                self._collective, self._plan, self._iteration, self._all_params, self.optim.state, to
+            )
         except Exception as error:
             self._consolidation_error = error
             raise
-
-    def _consolidate(self, to: int) -> None:
-        to = as_int(to)  # (numpy's ints too, as torch takes them)
-        if not (isinstance(to, int) and not isinstance(to, bool) and 0 <= to < self._collective.world_size):
-            raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {self._collective.world_size}), got {to!r}.")
-        params = self._all_params
-        # ranks at other steps (or one stepping while another consolidates) would gather states of different sizes
-        self._collective.check_same_on_all_ranks(
-            params, context=f"plan {self._plan.digest()} step {self._iteration} consolidate to {to}",
-            what="ZeroRedundancyOptimizer.consolidate_state_dict",
-        )
-        local = {
-            index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in self.optim.state[params[index]].items()}
-            for index in self._plan.owned_by(self.rank)
-            if params[index] in self.optim.state
-        }
-        group = self.process_group
-        gathered = [None] * self._collective.world_size if self.rank == to else None
-        dist.gather_object(local, gathered, dst=dist.get_global_rank(group, to), group=group)
-        if self.rank != to:
-            self._consolidated = None
-            return
-        merged = {index: entry for part in gathered for index, entry in part.items()}
-        self._consolidated = dict(sorted(merged.items()))
-
-    def _packed_param_groups(self) -> list[dict[str, Any]]:
-        """``param_groups`` as ``torch.optim`` saves them: each group's settings as
-        they are now, its parameters as their indices in ``params`` order."""
-        packed_groups, start = [], 0
-        for group_dict in self.param_groups:
-            count = len(group_dict["params"])
-            settings = {k: v for k, v in group_dict.items() if k != "params"}  # param_names kept
-            packed_groups.append({**settings, "params": list(range(start, start + count))})
-            start += count
-        return packed_groups
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim`` format (loadable into the
@@ -508,11 +358,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"{self._consolidation_error}); there is no current state to return. Call it again on every rank."
             ) from self._consolidation_error
         if self._consolidated is None:
-            raise RuntimeError(_NOT_CONSOLIDATED.format(rank=self.rank))
+            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class runs them
             pre_hook(self)
         # (a hook may change the dict it is given: not the consolidation)
-        state_dict = {"state": dict(self._consolidated), "param_groups": self._packed_param_groups()}
+        state_dict = {"state": dict(self._consolidated), "param_groups": packed_param_groups(self.param_groups)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
@@ -539,48 +389,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch's class
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-        saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
-        params, group_of = self._all_params, self._group_of()
-        for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
-            _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, self._optimizer_class)
-        mine = self._plan.owned_by(self.rank)
-        local_state, local_groups, next_id = {}, [], 0
-        for g, saved in enumerate(saved_groups):
-            in_group = [i for i in mine if group_of[i] == g]
-            local_ids = list(range(next_id, next_id + len(in_group)))
-            next_id += len(in_group)
-            for local_id, index in zip(local_ids, in_group):
-                if state_dict["state"].get(saved_ids[index]):
-                    local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
-            local_groups.append({**_hyper_parameters(saved), "params": local_ids})
+        local_state, local_groups = local_share(
+            state_dict, self.param_groups, self._plan.owned_by(self.rank), self._optimizer_class
+        )
         self.optim.load_state_dict({"state": local_state, "param_groups": copy.deepcopy(local_groups)})
-        _sync_param_groups(copy.deepcopy(saved_groups), self.param_groups)
+        _sync_param_groups(copy.deepcopy(state_dict["param_groups"]), self.param_groups)
         self._pristine = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
-    """Raise ``ValueError`` unless ``entry`` can be a state of ``optimizer_class``
-    for ``param`` (checked by field for torch's own optimizers)."""
-    if optimizer_class not in _KNOWN_STATE:
-        return
-    shaped, scalars = _KNOWN_STATE[optimizer_class]
-    unknown = sorted(set(entry) - shaped - scalars)
-    if unknown:
-        raise ValueError(
-            f"Arg ``state_dict``: the state of parameter {index} has {unknown}, which "
-            f"{optimizer_class.__name__} does not keep ({sorted(shaped | scalars)}): a checkpoint of another optimizer?"
-        )
-    for field in shaped & set(entry):
-        value = entry[field]
-        if isinstance(value, torch.Tensor) and value.shape != param.shape:
-            raise ValueError(
-                f"Arg ``state_dict``: ``{field}`` of parameter {index} has shape {tuple(value.shape)}, "
-                f"the parameter {tuple(param.shape)}."
-            )

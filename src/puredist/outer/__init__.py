@@ -36,8 +36,9 @@ Options (static, checked by :func:`outer_optimizer`):
   the global copy and the outer state change only at outer synchronizations, so they
   stay identical on every rank; and an in-flight fragment's local progress stays its own).
 
-Schedule: fragment ``f`` synchronizes at step ``k`` iff ``k - warmup_steps - offset_f >=
-0`` and is a multiple of ``sync_every`` (torch's periodic rule for ``f = 0``). The global
+Schedule (:func:`~puredist.outer.schedule.sync_number`): fragment ``f`` synchronizes at
+step ``k`` iff ``k - warmup_steps - f * sync_every // fragments >= 0`` and is a multiple
+of ``sync_every`` (torch's periodic rule for ``f = 0``). The global
 copy starts as the initial parameters, which must be the same on every rank (as DDP's
 initial broadcast makes them; ``init`` does not communicate). A fragment's *first*
 synchronization only establishes the synchronized point — plain averaging,

@@ -3,8 +3,9 @@
 :class:`OuterConfig` is what every other module of :mod:`puredist.outer` receives
 explicitly (no function captures options): the outer optimizer, the schedule's
 numbers, the dtypes and devices of the global copy and of the payload, the lower
-levels, the compressor, and what follows from them (fragment offsets, the text that
-names the configuration in rank checks and checkpoints).
+levels, the compressor, and what follows from them (the text that names the
+configuration in rank checks and checkpoints). When each fragment synchronizes is
+:func:`puredist.outer.schedule.sync_number`'s.
 
 This module must not touch tensors or talk to other ranks.
 """
@@ -35,7 +36,6 @@ class OuterConfig:
         outer, sync_every, warmup_steps, delay, fragments: as given.
         comm_dtype, global_device, global_dtype, compressor: as given.
         lower_levels: ``{period: group_size}``, as given (``{}``: none).
-        offsets: fragment ``f`` synchronizes ``offsets[f]`` steps after fragment 0.
         lower_sizes: the group sizes of ``lower_levels``, in its order.
         lower_level: ``step -> index into lower_sizes`` of the lower level that
             averages at ``step``, or ``None``.
@@ -56,7 +56,6 @@ class OuterConfig:
     global_dtype: torch.dtype | None = None
     lower_levels: Mapping[int, int] = field(default_factory=dict)
     compressor: Compressor | None = None
-    offsets: tuple[int, ...] = field(init=False)
     lower_sizes: tuple[int, ...] = field(init=False)
     lower_level: Callable[[int], int | None] = field(init=False)
     same_place: bool = field(init=False)
@@ -67,7 +66,6 @@ class OuterConfig:
         lower = dict(self.lower_levels)
         derived = {
             "lower_levels": lower,
-            "offsets": tuple(f * self.sync_every // self.fragments for f in range(self.fragments)),
             "lower_sizes": tuple(lower.values()),
             "lower_level": hierarchical_schedule(tuple(lower), self.warmup_steps) if lower else _no_lower_level,
             "same_place": self.global_device is None and self.global_dtype is None and self.comm_dtype is None,

@@ -1,12 +1,15 @@
 """When each fragment synchronizes, and what each synchronization is: pure functions
 of a step and an :class:`~puredist.outer.config.OuterConfig`.
 
-Fragment ``f`` synchronizes at step ``k`` iff ``k - warmup_steps - offsets[f] >= 0``
-and is a multiple of ``sync_every`` (torch's periodic rule for ``f = 0``); the one
-started at ``k`` is applied at ``k + delay``. A fragment's first synchronization only
-establishes the synchronized point (plain averaging). At a step where a lower level is
-due, it averages the fragments that neither start a synchronization nor have one in
-flight.
+One function says when each fragment synchronizes, :func:`sync_number`: fragment
+``f``'s first synchronization starts at ``warmup_steps + f * sync_every // fragments``
+(the fragments staggered evenly over a period; torch's periodic rule for ``f = 0``),
+then one every ``sync_every`` steps. Which fragments are due at a step
+(:func:`due_fragments`) and whether a synchronization is a fragment's first
+(:func:`is_first_sync`, which only establishes the synchronized point: plain
+averaging) follow from it. The one started at ``k`` is applied at ``k + delay``. At a
+step where a lower level is due, it averages the fragments that neither start a
+synchronization nor have one in flight.
 
 This module must not touch tensor values or talk to other ranks.
 """
@@ -53,16 +56,27 @@ def fragment_leaves(config: OuterConfig, leaves: Sequence[torch.Tensor]) -> tupl
     return split_fragments([leaf.numel() for leaf in leaves], fragments)
 
 
+def sync_number(config: OuterConfig, fragment: int, step: int) -> int | None:
+    """Which synchronization of ``fragment`` starts at ``step``: ``0`` for its first,
+    ``n`` for the one ``n * sync_every`` steps later, ``None`` where none starts.
+
+    The schedule's one rule: the first starts ``fragment * sync_every // fragments``
+    steps after the warm-up, the next ones every ``sync_every`` steps."""
+    since = step - config.warmup_steps - fragment * config.sync_every // config.fragments
+    if since < 0 or since % config.sync_every:
+        return None
+    return since // config.sync_every
+
+
 def due_fragments(config: OuterConfig, step: int) -> list[int]:
     """The fragments whose synchronization starts at ``step``."""
-    since = step - config.warmup_steps
-    return [f for f, offset in enumerate(config.offsets) if since - offset >= 0 and (since - offset) % config.sync_every == 0]
+    return [f for f in range(config.fragments) if sync_number(config, f, step) is not None]
 
 
 def is_first_sync(config: OuterConfig, fragment: int, start_step: int) -> bool:
     """Whether the synchronization of ``fragment`` started at ``start_step`` is its
     first, which only establishes the synchronized point (plain averaging)."""
-    return start_step == config.warmup_steps + config.offsets[fragment]
+    return sync_number(config, fragment, start_step) == 0
 
 
 def lower_level_fragments(config: OuterConfig, step: int, busy: Collection[int]) -> tuple[int | None, list[int]]:

@@ -1,0 +1,148 @@
+"""The checkpoints of :class:`~puredist.classic.ZeroRedundancyOptimizer`: the whole
+state gathered on one rank (:func:`gathered_state`), saved in ``torch.optim``'s format
+(:func:`packed_param_groups`), and at load each rank's share of it
+(:func:`local_share`), every entry checked on every rank before anything changes.
+
+This module must not change an optimizer: the class applies what these functions return.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from puredist._validation import as_int
+from puredist.collectives import DistributedCollective
+from puredist.sharding import ZeroPlan
+
+NOT_CONSOLIDATED = (
+    "Optimizer state has not been consolidated on this rank. Please call "
+    "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
+)
+
+_KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
+    # class: (state fields shaped like the parameter, scalar state fields)
+    torch.optim.SGD: (frozenset({"momentum_buffer"}), frozenset()),
+    torch.optim.Adam: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
+    torch.optim.AdamW: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
+    torch.optim.Adagrad: (frozenset({"sum"}), frozenset({"step"})),
+    torch.optim.Adadelta: (frozenset({"square_avg", "acc_delta"}), frozenset({"step"})),
+    torch.optim.RMSprop: (frozenset({"square_avg", "momentum_buffer", "grad_avg"}), frozenset({"step"})),
+    torch.optim.Rprop: (frozenset({"prev", "step_size"}), frozenset({"step"})),
+    torch.optim.Adamax: (frozenset({"exp_avg", "exp_inf"}), frozenset({"step"})),
+    torch.optim.NAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step", "mu_product"})),
+    torch.optim.RAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step"})),
+}
+"""Per-parameter state layouts of torch's optimizers, to recognise a checkpoint of
+another optimizer at load. Subclasses and other optimizers are not checked by field."""
+
+
+def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
+    """Raise ``ValueError`` unless ``entry`` can be a state of ``optimizer_class``
+    for ``param`` (checked by field for torch's own optimizers)."""
+    if optimizer_class not in _KNOWN_STATE:
+        return
+    shaped, scalars = _KNOWN_STATE[optimizer_class]
+    unknown = sorted(set(entry) - shaped - scalars)
+    if unknown:
+        raise ValueError(
+            f"Arg ``state_dict``: the state of parameter {index} has {unknown}, which "
+            f"{optimizer_class.__name__} does not keep ({sorted(shaped | scalars)}): a checkpoint of another optimizer?"
+        )
+    for field in shaped & set(entry):
+        value = entry[field]
+        if isinstance(value, torch.Tensor) and value.shape != param.shape:
+            raise ValueError(
+                f"Arg ``state_dict``: ``{field}`` of parameter {index} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}."
+            )
+
+
+_NOT_SETTINGS = ("params", "param_names")
+"""Param-group keys that list parameters: the local optimizer's hold this rank's only."""
+
+
+def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
+
+
+def gathered_state(collective: DistributedCollective, plan: ZeroPlan, iteration: int, params: Sequence[torch.Tensor],
+                   local_state: dict[torch.Tensor, Any], to: int) -> dict[int, Any] | None:
+    """Every rank's entries of its local optimizer's state (``local_state``, keyed by
+    parameter) gathered on rank ``to`` (a collective: every rank calls it): there the
+    whole state by parameter index, in index order, its tensors on the CPU; ``None``
+    on the other ranks.
+
+    Raises:
+        ValueError: ``to`` is not a rank of the group.
+        RankMismatchError: ranks at other steps (or one stepping while another
+            consolidates) would gather states of different sizes.
+    """
+    to = as_int(to)  # (numpy's ints too, as torch takes them)
+    if not (isinstance(to, int) and not isinstance(to, bool) and 0 <= to < collective.world_size):
+        raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {collective.world_size}), got {to!r}.")
+    collective.check_same_on_all_ranks(
+        params, context=f"plan {plan.digest()} step {iteration} consolidate to {to}",
+        what="ZeroRedundancyOptimizer.consolidate_state_dict",
+    )
+    local = {
+        index: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in local_state[params[index]].items()}
+        for index in plan.owned_by(collective.rank)
+        if params[index] in local_state
+    }
+    group = collective.process_group
+    gathered = [None] * collective.world_size if collective.rank == to else None
+    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, to), group=group)
+    if collective.rank != to:
+        return None
+    merged = {index: entry for part in gathered for index, entry in part.items()}
+    return dict(sorted(merged.items()))
+
+
+def packed_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``param_groups`` as ``torch.optim`` saves them: each group's settings as
+    they are now, its parameters as their indices in ``params`` order."""
+    packed_groups, start = [], 0
+    for group_dict in param_groups:
+        count = len(group_dict["params"])
+        settings = {k: v for k, v in group_dict.items() if k != "params"}  # param_names kept
+        packed_groups.append({**settings, "params": list(range(start, start + count))})
+        start += count
+    return packed_groups
+
+
+def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any]], owned: Sequence[int],
+                optimizer_class: type) -> tuple[dict[int, Any], list[dict[str, Any]]]:
+    """``(state, param_groups)`` that this rank's local optimizer loads from the
+    whole-optimizer ``state_dict``: the saved entries of the parameters it ``owned``
+    (indices into ``param_groups``' parameters), renumbered as its own and copied (no
+    tensor shared with ``state_dict``), and each group's saved settings.
+
+    Raises:
+        ValueError: the groups differ in number or size from ``param_groups``; a
+            saved entry does not fit its parameter (:func:`_check_saved_entry`),
+            checked for every parameter, owned or not, so every rank decides alike.
+    """
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, param_groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
+    params = [p for group in param_groups for p in group["params"]]
+    group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+    for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
+        _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, optimizer_class)
+    local_state, local_groups, next_id = {}, [], 0
+    for g, saved in enumerate(saved_groups):
+        in_group = [i for i in owned if group_of[i] == g]
+        local_ids = list(range(next_id, next_id + len(in_group)))
+        next_id += len(in_group)
+        for local_id, index in zip(local_ids, in_group):
+            if state_dict["state"].get(saved_ids[index]):
+                local_state[local_id] = copy.deepcopy(state_dict["state"][saved_ids[index]])
+        local_groups.append({**hyper_parameters(saved), "params": local_ids})
+    return local_state, local_groups

@@ -1,0 +1,272 @@
+"""Compressed averaging with error feedback of a list of leaves
+(:func:`compressed_mean`, its flat in-place twin) and of a pytree
+(:func:`compressed_averager`): the leaves and their residuals laid end to end as rows,
+checked, then averaged by :mod:`puredist.compression.phases`.
+
+This module must not keep state between calls: residuals go in and out explicitly.
+"""
+
+import operator
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from puredist._consistency import refusals, with_refusal
+from puredist._docs import fields_documented
+from puredist._dtensors import check_not_pending, like, local_shard
+from puredist._inputs import FLOAT8
+from puredist._layout import Layout, layout_of, views_like
+from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
+from puredist.compression.codecs import Compressor, check_compressor
+from puredist.compression.phases import gathered_mean, raise_non_finite, two_phase_mean
+from puredist.errors import RankMismatchError
+from puredist.tree import PyTree, tree_flatten, tree_unflatten
+
+
+@fields_documented
+class CompressionState(NamedTuple):
+    """Error feedback of a :func:`compressed_averager` on one rank.
+
+    Attributes:
+        step: completed averagings (part of the rank check).
+        residuals: per leaf, the fp32 part of ``x + residual`` not sent yet.
+    """
+
+    step: int
+    residuals: tuple[torch.Tensor, ...]
+
+
+@fields_documented
+class CompressedAverager(NamedTuple):
+    """A compressed averager with error feedback (see :func:`compressed_averager`).
+
+    Attributes:
+        init: ``init(params) -> CompressionState``: zero residuals.
+        update: ``update(params, state, *, collective) -> (means, state)``: pure.
+    """
+
+    init: Callable[[PyTree], CompressionState]
+    update: Callable[..., tuple[PyTree, CompressionState]]
+
+
+def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
+    """Raises on a non-float leaf or another kind of collective (the leaves checked
+    once per ``layout``, theirs); True if simulated."""
+    layout.derived("compressible", lambda: _check_leaves(leaves))
+    simulated = isinstance(collective, SimulatedCollective)
+    if simulated:
+        collective.check_stacked(leaves, arg="params")
+    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective):
+        raise TypeError(
+            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective or a collective that gathers "
+            f"rows (puredist.ft.ManagerCollective), got {collective!r}."
+        )
+    return simulated
+
+
+def _check_leaves(leaves: list[torch.Tensor]) -> bool:
+    """Raise ``TypeError`` on a non-floating-point leaf, ``ValueError`` on a pending DTensor; True."""
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
+        check_not_pending(leaf, "params", lambda: f"leaf {position}")
+    return True
+
+
+def _gathers(collective: Collective) -> bool:
+    """Whether ``collective`` averages compressed payloads by gathering them (a torchft
+    quorum, whose membership changes between calls: no fixed chunk owners)."""
+    return callable(getattr(collective, "all_gather_rows", None))
+
+
+
+def compressed_mean(
+    leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
+    *, context: str,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The means of ``leaves`` (new tensors, their dtypes) and the new fp32 residuals,
+    by the two-phase rule of this module; ``context`` joins the rank check.
+
+    Raises:
+        TypeError: a non-floating-point leaf, or another kind of collective.
+        ValueError: an inf or NaN in a leaf plus its residual (on every rank: any
+            rank's non-finite value is part of the rank check).
+        RankMismatchError: ranks pass different layouts or contexts, or some ranks
+            hold non-finite values and others not.
+        CollectiveError: the all-to-all or the all-gather failed (nothing was written;
+            the residuals passed in are still the state to continue from).
+    """
+    context = f"{context}, payloads of {compressor.name}"  # (their sizes depend on it: ranks must agree)
+    layout = layout_of(leaves)
+    try:
+        simulated = _check_compressible(leaves, collective, layout)
+        _check_residuals(leaves, residuals, layout)
+    except (TypeError, ValueError) as error:  # the peers learn it in their rank check, instead of waiting
+        refuse_on_all_ranks(collective, error, context=context)
+        raise
+    if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
+        return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
+    if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
+            and leaves[0].dtype not in FLOAT8:  # (no multi-tensor kernel copies float8)
+        return _compressed_mean_plain(leaves, residuals, compressor, collective, context)
+    count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
+    given, leaves = leaves, [local_shard(leaf) for leaf in leaves]  # a DTensor's shard (the rank check sees the DTensor)
+    residuals = tuple(local_shard(r) for r in residuals)
+    # all leaves in one flat row: blocks may span leaves
+    rows = torch.cat(
+        [(leaf.detach().float() + residual).reshape(count, -1) for leaf, residual in zip(leaves, residuals, strict=True)],
+        dim=1,
+    )
+    mean, left = _mean_of_rows(rows, given, compressor, collective, simulated, leaves, residuals, context)
+    return _outputs(mean, left, leaves, given, residuals, count)
+
+
+def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
+                           collective: Collective, context: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`compressed_mean` of plain tensors of one dtype on a real rank: the row
+    made and cut by single C++ calls (host work per leaf in C, not in Python). The
+    results are tensors of their own (no shared storage or version counter: a
+    pure function's outputs), copied out of the flat results by one multi-tensor op
+    each (``x * 1`` is ``x`` exactly)."""
+    flatten = torch._C._nn.flatten_dense_tensors  # (one tensor: a view of it, never written)
+    with torch.no_grad():
+        rows = (flatten(leaves).float() + flatten(list(residuals))).view(1, -1)
+    mean, left = _mean_of_rows(rows, leaves, compressor, collective, False, leaves, residuals, context)
+    with torch.no_grad():
+        return (list(torch._foreach_mul(views_like(mean.to(leaves[0].dtype), leaves), 1)),
+                list(torch._foreach_mul(views_like(left[0], residuals), 1)))
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tensor], layout: Layout) -> None:
+    """Raise ``ValueError`` unless ``residuals`` are one fp32 tensor per leaf, shaped as
+    its local shard (the payloads' sizes follow from them: a residual of another shape
+    would broadcast, or make this rank's payloads another size than its peers')."""
+    if len(residuals) != len(leaves):
+        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
+    shards = leaves
+    if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
+        shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
+    shapes = list(map(_SHAPE, residuals))
+    if shapes != list(map(_SHAPE, shards)):
+        i = next(i for i, (r, leaf) in enumerate(zip(shapes, shards)) if r != leaf.shape)
+        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(shards[i].shape)}.")
+    if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
+        i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
+        raise ValueError(f"Arg ``state``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
+                         "makes them).")
+
+
+def compressed_mean_flat_(
+    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: str,
+    leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
+) -> None:
+    """:func:`compressed_mean` of leaves laid end to end in one buffer, as one tensor
+    and in place: host work per call independent of the number of leaves.
+
+    Args:
+        flat: the leaves' buffer (1-D, floating point, plain), overwritten with their
+            mean once every collective succeeded.
+        residual: the leaves' residuals end to end (1-D fp32, ``flat``'s size),
+            overwritten with the new ones then.
+        leaves, residuals: the per-leaf views of the two, named in errors only.
+
+    Raises:
+        as :func:`compressed_mean`, with ``flat`` and ``residual`` as they were. The
+        rank check sees the one tensor: ranks must lay their leaves out alike.
+    """
+    context = f"{context}, payloads of {compressor.name}"
+    _check_compressible([flat], collective, layout_of([flat]))
+    if not collective.is_member:
+        return
+    rows = (flat.float() + residual).view(1, -1)
+    mean, left = _mean_of_rows(rows, [flat], compressor, collective, False, leaves, residuals, context)
+    flat.copy_(mean)
+    residual.copy_(left[0])
+
+
+def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor: Compressor, collective: Collective,
+                  simulated: bool, leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
+                  context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of ``rows`` (``[count, numel]``: ``leaves`` plus their
+    ``residuals``, end to end): the rank check over ``given`` (with any rank's
+    non-finite values), then the phases of the module (or a torchft quorum's gather)."""
+    finite = bool(torch.isfinite(rows).all())
+    where = "" if finite else "inf or NaN in " + ", ".join(
+        f"leaf {i}" + ("" if torch.isfinite(residual).all() else " (its residual)")
+        for i, (leaf, residual) in enumerate(zip(leaves, residuals))
+        if not torch.isfinite(leaf.detach().float() + residual).all()
+    )
+    if _gathers(collective):  # one torchft step; a replica's non-finite values make its context differ
+        return gathered_mean(rows, compressor, collective, finite, with_refusal(context, where))
+    if not simulated:  # every rank learns whether any rank has a non-finite value
+        try:
+            collective.check_same_on_all_ranks(given, context=with_refusal(context, where), what="a compressed averaging")
+        except RankMismatchError as error:
+            if refusals(error):
+                raise_non_finite(refusals(error), context)
+            raise
+    if not finite:
+        raise_non_finite([f"this rank: {where}"], context)
+    if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
+        return rows[0], torch.zeros_like(rows)
+    return two_phase_mean(rows, compressor, collective, simulated, leaves)
+
+
+def _outputs(mean: torch.Tensor, left: torch.Tensor, leaves, given, residuals, count: int):
+    """The flat ``mean`` and ``left`` (``[count, numel]``) cut back into the leaves'
+    shapes and dtypes (``given``'s DTensor placements) and the residuals' shapes."""
+    sizes = [leaf.numel() // count for leaf in leaves]
+    outputs = [
+        like(original, part.to(leaf.dtype).expand(count, size).reshape(leaf.shape).clone())
+        for part, leaf, original, size in zip(mean.split(sizes), leaves, given, sizes)
+    ]
+    new_residuals = [part.reshape(r.shape).clone() for part, r in zip(left.split(sizes, dim=1), residuals)]
+    return outputs, new_residuals
+
+
+def compressed_averager(compressor: Compressor) -> CompressedAverager:
+    """Average pytrees over all ranks with ``compressor``'s payloads and error feedback.
+
+    For rank ``r`` at step ``t``, with ``v_r = x_r + e_r`` cut into ``W`` chunks, every
+    rank returns the same ``mean = (1/W) sum_r (v_r - e_r')`` (in fp32, cast to each
+    leaf's dtype: the cast is outside the error feedback), by the two phases of the
+    module: ``e_r'`` is what chunk ``c``'s payload lost (``c != r``) and, on its own
+    chunk ``r``, ``W`` times what the compressed mean lost.
+    All leaves travel as one flat row, so quantization blocks and top-k span leaves.
+    With a :class:`~puredist.SimulatedCollective` the leaves are stacked ``[W, *shape]``
+    and so are the residuals.
+
+    Returns:
+        A :class:`CompressedAverager`. ``update`` is pure: the inputs and the state
+        passed in are never written, so a failed collective changes nothing.
+
+    Raises:
+        TypeError: ``compressor`` is not a :class:`Compressor`; at ``update``, a
+            non-floating-point leaf, or another kind of collective.
+        ValueError: (at ``update``, on every rank, nothing sent) an inf or NaN in a
+            leaf plus its residual on any rank, or a state whose residuals are not
+            one fp32 tensor per leaf, shaped like it.
+        RankMismatchError: (at ``update``) ranks pass different layouts or are at
+            different steps.
+        CollectiveError: (at ``update``) a collective failed; nothing was written.
+    """
+    check_compressor(compressor)
+
+    def init(params: PyTree) -> CompressionState:
+        """Zero residuals shaped like ``params``' leaves (fp32; a DTensor's: like its local shard)."""
+        leaves, _ = tree_flatten(params)
+        return CompressionState(0, tuple(torch.zeros_like(local_shard(leaf), dtype=torch.float32) for leaf in leaves))
+
+    def update(params: PyTree, state: CompressionState, *, collective: Collective):
+        """Pure: ``(pytree of the means, state with the new residuals, step + 1)``."""
+        leaves, spec = tree_flatten(params)
+        means, residuals = compressed_mean(
+            leaves, state.residuals, compressor, collective,
+            context=f"compressed_averager({compressor.name}) step {state.step}",
+        )
+        return tree_unflatten(spec, means), CompressionState(state.step + 1, tuple(residuals))
+
+    return CompressedAverager(init, update)

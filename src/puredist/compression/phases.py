@@ -1,0 +1,144 @@
+"""How compressed payloads travel and are averaged: the two phases over fixed chunk
+owners (an all-to-all, then an all-gather) and the one gather over a torchft quorum,
+each returning the mean every rank gets and what this rank's payloads lost (its next
+residual). The package docstring (:mod:`puredist.compression`) states the rule.
+
+This module must not check its inputs: :mod:`puredist.compression.averager` has done it.
+"""
+
+import torch
+import torch.distributed as dist
+
+from puredist._consistency import REFUSED
+from puredist.collectives import Collective, DistributedCollective
+from puredist.compression.codecs import Compressor, Payload
+from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
+
+
+def _exchanged_chunks(payload: Payload, collective: DistributedCollective) -> list[Payload]:
+    """Phase 1: ``payload``'s tensors are stacked per destination rank (row ``c`` goes
+    to rank ``c``); returns the row each rank sent to this one, in rank order."""
+    parts = []
+    for tensor in payload:
+        received = torch.empty_like(tensor)
+        dist.all_to_all_single(received, tensor.contiguous(), group=collective.process_group)
+        parts.append(received.unbind(0))
+    return list(zip(*parts))
+
+
+def _gathered_payloads(payload: Payload, collective: DistributedCollective) -> list[Payload]:
+    """Phase 2: every rank's payload, in rank order."""
+    group, size = collective.process_group, collective.world_size
+    parts = []
+    for tensor in payload:
+        received = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(received, tensor.contiguous(), group=group)
+        parts.append(received)
+    return list(zip(*parts))
+
+
+def _stacked(payloads: list[Payload]) -> Payload:
+    return tuple(torch.stack(tensors) for tensors in zip(*payloads))
+
+
+def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 mean, summed in list order: the same bits wherever it is computed. The
+    sum is taken in fp64 and divided there, then rounded to fp32 once, so a mean
+    within fp32's range is finite however large its terms (an fp32 sum overflows for
+    terms above ``FLT_MAX / W``, and a sum of terms divided first can round past
+    ``FLT_MAX``: an inf mean, then inf or NaN residuals, which every later call would
+    refuse)."""
+    return (sum(chunk.double() for chunk in chunks) / len(chunks)).float()
+
+
+def gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
+                   context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of this replica's row (``[1, numel]``) by one phase: every
+    contributing replica's whole row, compressed, gathered by all; the mean of the
+    decoded rows in quorum order (the same bits everywhere); what this row's payload
+    lost is its residual. Bytes per replica: ``W - 1`` payloads (the two phases send
+    ``2 (W - 1) / W``). A replica with non-finite values refuses in the quorum's
+    rank check (and sends zeros), so that every replica raises the same ``ValueError``
+    before any payload is read."""
+    numel = rows.shape[1]
+    payload = compressor.encode(rows[0] if finite else torch.zeros_like(rows[0]))
+    try:
+        gathered = collective.all_gather_rows(list(payload), context=context, refused=not finite)
+    except ValueError as refusal:  # some replica refused (every one voted against the step: not committed)
+        raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}" if not finite else str(refusal)], context)
+    except (RankMismatchError, CollectiveError):
+        if not finite:  # (it voted against the step: not committed)
+            raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
+        raise
+    mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
+    return mean, rows - compressor.decode(payload, numel)
+
+
+def raise_non_finite(where: list[str], context: str) -> None:
+    raise ValueError(
+        f"Arg ``params`` (plus the error-feedback residuals) holds inf or NaN ({'; '.join(where)}): a block's scale, "
+        f"and then the residual, would be non-finite for good. Nothing was sent, on any rank, and the state passed "
+        f"in is unchanged. Where the params are (an AMP overflow), skip this step; where a residual is (marked "
+        f"'its residual'), or both are finite and their sum is not, no later step clears it: reset the residuals "
+        f"(zeros, as init makes them) or reload a checkpoint. {context}"
+    )
+
+
+def two_phase_mean(
+    rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool, leaves: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of ``rows`` (``[count, numel]``, one row per simulated rank or
+    this rank's) by the module's two phases: the flat mean every rank gets, and each
+    row's new residual. ``leaves`` only name what a failed collective left unchanged."""
+    world, (count, numel) = collective.world_size, rows.shape
+    chunk = -(-numel // world)  # zero-padded into W equal chunks
+    chunks = torch.nn.functional.pad(rows, (0, chunk * world - numel)).view(count, world, chunk)
+    # phase 1: chunk c of every row, compressed, to its owner c (the owner's own chunk exact, never encoded)
+    owners = range(world) if simulated else [collective.rank]  # the rank of each row
+    payloads = [
+        [None if c == owner else compressor.encode(chunks[row, c]) for c in range(world)]
+        for row, owner in enumerate(owners)
+    ]
+    kept = torch.stack([  # what the owners receive: each row's chunks as decoded, its own exact
+        torch.stack([chunks[row, c] if c == owner else compressor.decode(payloads[row][c], chunk) for c in range(world)])
+        for row, owner in enumerate(owners)
+    ])
+    if simulated:
+        means = [_mean_in_rank_order([kept[q, c] for q in range(world)]) for c in owners]
+    else:
+        try:
+            stand_in = next(p for p in payloads[0] if p is not None)  # the slot to oneself: never sent, never read
+            received = _exchanged_chunks(_stacked([p if p is not None else stand_in for p in payloads[0]]), collective)
+        except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-to-all (phase 1)") from error
+        mine = collective.rank
+        means = [_mean_in_rank_order(
+            [kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)]
+        )]
+    # phase 2: every owner's mean, compressed, to everybody
+    final_payloads = [compressor.encode(m) for m in means]
+    finals = [compressor.decode(p, chunk) for p in final_payloads]
+    if simulated:
+        decoded = finals
+    else:
+        try:
+            gathered = _gathered_payloads(final_payloads[0], collective)
+        except RuntimeError as error:
+            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather (phase 2)") from error
+        decoded = [finals[0] if c == collective.rank else compressor.decode(p, chunk) for c, p in enumerate(gathered)]
+    left = chunks - kept
+    for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost
+        left[row, owner] = _owner_residual(means[row], finals[row], world)
+    return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
+
+
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _owner_residual(mean: torch.Tensor, final: torch.Tensor, world: int) -> torch.Tensor:
+    """``world * (mean - final)``: what phase 2 lost of an owner's mean, scaled to be
+    sent exact next time. Computed in fp64 and rounded to fp32 once, saturating at
+    ``±FLT_MAX``: in fp32 a loss above ``FLT_MAX / world`` (top-k dropping a mean near
+    fp32's largest) gave ``inf``, which every later call refused, the mass lost all
+    the same; saturated, the residual stays finite and sends what fp32 can hold."""
+    return (world * (mean.double() - final.double())).clamp_(-_FLT_MAX, _FLT_MAX).float()
