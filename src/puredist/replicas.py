@@ -29,7 +29,7 @@ import torch
 from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
-from puredist._validation import _check_int
+from puredist._validation import BELOW, INT, check
 from puredist.collectives import CollectiveHandle, ReplicaGroups, SimulatedCollective, block_mean
 
 __all__ = ["VmapCollective", "replica_mean"]
@@ -250,9 +250,7 @@ class VmapCollective(ReplicaGroups):
             RuntimeError: outside ``torch.func.vmap`` (over more than one replica):
                 there is no replica axis to take replica ``src``'s value from.
         """
-        _check_int("src", src)
-        if not 0 <= src < self.num_replicas:
-            raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
+        check("src", src, INT, BELOW, stop=self.num_replicas)
         if not all(isinstance(t, torch.Tensor) for t in tensors):  # (any dtype: a broadcast does no arithmetic)
             k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
             raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")

@@ -28,7 +28,7 @@ import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
-from puredist._validation import is_integral
+from puredist._validation import AT_LEAST_ONE, NON_NEGATIVE_INTS, ONE_OF, check, is_integral
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
@@ -176,13 +176,10 @@ def plan_zero(
         ValueError: unknown strategy, ``world_size < 1``, negative size, missing or
             malformed ``buckets``.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Arg ``strategy`` must be one of {STRATEGIES}, got {strategy!r}.")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
+    check("strategy", strategy, ONE_OF, choices=STRATEGIES)
+    check("world_size", world_size, AT_LEAST_ONE)
     sizes = list(sizes)
-    if not all(is_integral(size) and size >= 0 for size in sizes):
-        raise ValueError(f"Arg ``sizes`` must be non-negative ints, got {sizes!r}.")
+    check("sizes", sizes, NON_NEGATIVE_INTS)
     owners = [0] * len(sizes)
     loads = list(start_loads) if start_loads is not None else [0] * world_size
     if len(loads) != world_size:

@@ -11,26 +11,30 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import dtensor_type
+from puredist._validation import BETAS, NON_NEGATIVE, check
 from puredist._seq import any_complex, any_none
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
 
-def check_nonnegative(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # (NaN too)
-        raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
+HYPERS = {"betas": (BETAS,)}
+"""The rules of the hyper-parameters that are not a non-negative number (the others'
+rule), a schedule's values included."""
 
 
-def check_betas(betas: Any) -> None:
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_beta, betas))):
-        raise ValueError(f"Arg ``betas`` must be two numbers in [0, 1), got {betas!r}.")
+def check_hyper(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` satisfies hyper-parameter ``name``'s
+    rules (:data:`HYPERS`; a non-negative number where it has none)."""
+    check(name, value, *HYPERS.get(name, (NON_NEGATIVE,)))
 
 
-def _is_beta(value: Any) -> bool:
-    try:
-        return bool(0.0 <= value < 1.0)
-    except (TypeError, RuntimeError):  # not a number (a string, None, a tensor of several values)
-        return False
+def check_hypers(values: dict[str, Any], *, scheduled: Sequence[str]) -> None:
+    """:func:`check_hyper` for each of ``values`` at construction, but a schedule (a
+    callable) of a hyper-parameter in ``scheduled``, whose values are checked at the
+    update."""
+    for name, value in values.items():
+        if not (callable(value) and name in scheduled):
+            check_hyper(name, value)
 
 
 def check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:

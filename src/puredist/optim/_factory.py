@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist.optim._checks import check_grads, check_nonnegative, check_shapes
+from puredist.optim._checks import check_grads, check_hyper, check_shapes
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
@@ -54,7 +54,7 @@ tensors, the inputs untouched, or ``None`` where it does not apply (then the pur
 def make_optimizer(
     state_type: type, init_leaf: Callable[[torch.Tensor], NamedTuple], run: Callable[..., list[NamedTuple]], *,
     hypers: dict[str, Hyper] | None = None, kind: str = "", config: str | None = None,
-    validate: Callable[[str, Any], None] = check_nonnegative, differentiable: bool = False,
+    validate: Callable[[str, Any], None] = check_hyper, differentiable: bool = False,
     check: Callable[[list, bool], None] | None = None, pure_step: PureStep | None = None, writes_grads: bool = False,
     takes_sparse: bool = True,
 ) -> Optimizer:
@@ -74,7 +74,8 @@ def make_optimizer(
             states' count); ``traced``: the step is recorded (autograd, ``torch.func``).
         hypers: the hyper-parameters, numbers or schedules of the count (the state
             then declares a :data:`~puredist.optim.base.Count`), each
-            value passed to ``validate(name, value)`` (default: non-negative) before
+            value passed to ``validate(name, value)`` (default: ``betas`` two numbers in
+            ``[0, 1)``, the others non-negative numbers) before
             anything is stepped.
         kind: its name; ``config``: its :attr:`~puredist.optim.base.Optimizer.config`
             (default: ``kind(hyper=value, ...)``).
