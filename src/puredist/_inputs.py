@@ -235,8 +235,8 @@ class _Refusal(NamedTuple):
 
 
 _REFUSALS = (  # in order: the first that applies is raised (lambdas: torch.compile traces them out of place)
-    _Refusal(False, lambda t: t.is_nested, ValueError, " is a nested tensor; only dense tensors can be averaged (average its "
-             "components, or its values buffer)."),
+    _Refusal(False, lambda t: t.is_nested, ValueError,
+             " is a nested tensor; only dense tensors can be averaged (average its components, or its values buffer)."),
     _Refusal(False, lambda t: t.layout != torch.strided, ValueError,
              " has layout {layout}; only dense tensors can be averaged."),
     _Refusal(False, lambda t: t.is_meta, ValueError, " is a meta tensor: it holds no values to average."),

@@ -80,6 +80,8 @@ INT = Rule(lambda v, b: _is_int(v), TypeError, "Arg ``{arg}`` must be an int, go
 POSITIVE = Rule(lambda v, b: v > 0, ValueError, "Arg ``{arg}`` must be a positive value, got {value}.")
 NON_NEGATIVE = Rule(lambda v, b: _is_number(v) and v >= 0, ValueError,  # (NaN fails)
                     "Arg ``{arg}`` must be a non-negative number, got {value!r}.")
+NON_NEGATIVE_INT = Rule(lambda v, b: _is_int(v) and v >= 0, ValueError,
+                        "Arg ``{arg}`` must be a non-negative int, got {value!r}.")
 AT_LEAST_ONE = Rule(lambda v, b: _is_int(v) and v >= 1, ValueError, "Arg ``{arg}`` must be an int >= 1, got {value!r}.")
 BELOW = Rule(lambda v, b: 0 <= v < b["stop"], ValueError, "Arg ``{arg}`` must be in [0, {stop}), got {value!r}.")
 ONE_OF = Rule(lambda v, b: v in b["choices"], ValueError, "Arg ``{arg}`` must be one of {choices}, got {value!r}.")
@@ -91,7 +93,8 @@ NOT_EMPTY = Rule(lambda v, b: len(v) > 0, ValueError, "Arg ``{arg}`` must not be
 NON_NEGATIVE_INTS = Rule(lambda v, b: all(is_integral(s) and s >= 0 for s in v), ValueError,
                          "Arg ``{arg}`` must be non-negative ints, got {value!r}.")
 FLOAT_DTYPES = Rule(lambda v, b: len(v) > 0 and all(getattr(d, "is_floating_point", False) is True for d in v),
-                    ValueError, "Arg ``{arg}`` must be a non-empty sequence of floating-point torch dtypes, got {value!r}.")
+                    ValueError,
+                    "Arg ``{arg}`` must be a non-empty sequence of floating-point torch dtypes, got {value!r}.")
 # a hierarchy's periods (lowest level first) and group sizes; torch's messages where torch checks the same
 MIN_PERIOD = Rule(lambda v, b: v[0] > 0, ValueError,
                   "The minimum period in arg ``{arg}`` must be a positive value, got {value[0]}.")
@@ -121,6 +124,20 @@ def check_each(arg: str, values: Sequence[Any], *rules: Rule, **bounds: Any) -> 
     """:func:`check` for each of ``values`` (the elements of the argument ``arg``)."""
     for value in values:
         check(arg, value, *rules, **bounds)
+
+
+def check_same_shapes(arg: str, shapes: Sequence[Any], expected: Sequence[Any], *, what: str, other: str,
+                      tail: str = "") -> None:
+    """Raise ``ValueError`` naming the first position ``i`` where ``shapes`` (of the
+    argument ``arg``'s ``what``) differ from ``expected`` (the shapes of ``other``):
+    "Arg ``arg``: what i has shape s, other e" and ``tail``. Two lists of one length;
+    a ``None`` pairs only with ``None`` (an element with nothing to compare). The
+    shapes are compared as lists (torch.compile traces it), the message built only
+    when raising."""
+    if list(shapes) == list(expected):
+        return
+    i = next(i for i, (shape, other_shape) in enumerate(zip(shapes, expected)) if shape != other_shape)
+    raise ValueError(f"Arg ``{arg}``: {what} {i} has shape {tuple(shapes[i])}, {other} {tuple(expected[i])}{tail}")
 
 
 def check_period(period: int, *, arg: str = "period") -> None:

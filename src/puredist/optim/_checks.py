@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import dtensor_type
-from puredist._validation import BETAS, NON_NEGATIVE, check
+from puredist._validation import BETAS, NON_NEGATIVE, check, check_same_shapes
 from puredist._seq import any_complex, any_none
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
@@ -121,13 +121,9 @@ def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -
     buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
     if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
         return
-    if [b.shape for b in buffers] == [p.shape for p in leaves]:
-        return
-    i = next(i for i, (b, p) in enumerate(zip(buffers, leaves)) if b.shape != p.shape)
-    raise ValueError(
-        f"Arg ``state``: parameter {i} has shape {tuple(leaves[i].shape)}, its state's buffers "
-        f"{tuple(buffers[i].shape)}: a state made by init for other parameters. Nothing was stepped."
-    )
+    check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
+                      other="its state's buffers",
+                      tail=": a state made by init for other parameters. Nothing was stepped.")
 
 
 def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], name: str,
@@ -136,12 +132,8 @@ def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     skips its parameter) has another shape than its parameter, or is sparse for an
     optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
     shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
-    if shapes != [p.shape if s is not None else None for p, s in zip(leaves, shapes)]:
-        i = next(i for i, (s, p) in enumerate(zip(shapes, leaves)) if s is not None and s != p.shape)
-        raise ValueError(
-            f"Arg ``grads``: gradient {i} has shape {tuple(shapes[i])}, its parameter {tuple(leaves[i].shape)}. "
-            "Nothing was stepped."
-        )
+    check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
+                      what="gradient", other="its parameter", tail=". Nothing was stepped.")
     if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
         i = next(i for i, g in enumerate(grads) if g is not None and IS_SPARSE(g))
         raise ValueError(

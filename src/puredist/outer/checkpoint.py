@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from puredist._dtensors import like, local_shard
+from puredist._validation import NON_NEGATIVE_INT, check, check_same_shapes
 from puredist.collectives import CollectiveHandle
 from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
@@ -129,25 +130,18 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
     """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
     can be loaded on ``rank`` (nothing is built before it passes): first what says
     whose checkpoint it is (configuration, optimizer, world size), then that every
-    entry is there, then the values that must agree (step, shapes, steps in flight),
-    then every entry's kind."""
+    entry is there, then the values that must agree (step, residuals' shapes, steps in
+    flight), then every entry's kind (the global copy's shapes among them)."""
     check_origin(config, state, saved, fragments, rank)
     expected = state_dict(config, state, rank=rank)  # this transform's entries, from the template
     check_entries(expected, saved, kinds=False)
     step = saved["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
-    for i, template in enumerate(state.global_params):
-        shape = tuple(saved[f"global.{i}"].shape)
-        if shape != tuple(template.shape):
-            raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
-    for i, template in enumerate(state.residuals):
-        shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
-        if shape != tuple(template.shape):
-            raise ValueError(
-                f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
-                "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
-            )
+    check("saved['step']", step, NON_NEGATIVE_INT)
+    check_same_shapes(
+        "saved", [saved[f"residual.{i}.rank{rank}"].shape for i in range(len(state.residuals))],
+        [r.shape for r in state.residuals], what=f"rank {rank}'s residual", other="this rank's shard",
+        tail=": it was saved at another sharding. A compressed run resumes at the layout it was saved at.",
+    )
     for f in range(len(fragments)):
         apply_step, scheduled = int(saved[f"in_flight.{f}.apply_step"]), _in_flight_at(config, f, step)
         if apply_step != scheduled:
