@@ -92,6 +92,11 @@ BETAS = Rule(lambda v, b: isinstance(v, (tuple, list)) and len(v) == 2 and all(m
 NOT_EMPTY = Rule(lambda v, b: len(v) > 0, ValueError, "Arg ``{arg}`` must not be empty.")
 NON_NEGATIVE_INTS = Rule(lambda v, b: all(is_integral(s) and s >= 0 for s in v), ValueError,
                          "Arg ``{arg}`` must be non-negative ints, got {value!r}.")
+LENGTH = Rule(lambda v, b: len(v) == b["length"], ValueError, "Arg ``{arg}`` must have {length} entries, got {value!r}.")
+PARTITION = Rule(  # of range(count), into lists
+    lambda v, b: all(is_integral(i) for part in v for i in part)
+    and sorted(i for part in v for i in part) == list(range(b["count"])),
+    ValueError, "Arg ``{arg}`` must hold every parameter index in [0, {count}) exactly once, got {value!r}.")
 FLOAT_DTYPES = Rule(lambda v, b: len(v) > 0 and all(getattr(d, "is_floating_point", False) is True for d in v),
                     ValueError,
                     "Arg ``{arg}`` must be a non-empty sequence of floating-point torch dtypes, got {value!r}.")
