@@ -13,7 +13,7 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist.optim._checks import check_fused_sgd_takes, check_hypers, check_kernel_choice, counts_of
+from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, sgd_foreach_choice, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -123,7 +123,8 @@ def sgd(
     return make_optimizer(
         _sgd_state_type(options.has_momentum, options.counted), options.init_leaf, options.run,
         hypers={"lr": lr, "weight_decay": weight_decay, "momentum": momentum}, config=config,
-        differentiable=differentiable, check=lambda params, traced: check_fused_sgd_takes(params, fused and not traced),
+        differentiable=differentiable,
+        check=lambda params, traced: check_fused_takes(params, fused and not traced, "sgd"),
         pure_step=options.pure_step, writes_grads=nesterov,
     )
 
