@@ -3,8 +3,10 @@ applies them; shared by the functional and classic layers.
 
 A :class:`Rule` is a test, an exception type and a message template; :func:`check`
 raises the first rule a value breaks, its message built from the template with the
-argument's name and the value. Rules run where a transform, optimizer or plan is
-built (once per configuration), before any tensor or process group is touched.
+argument's name and the value. The rules of a configuration run where a transform,
+optimizer or plan is built, before any tensor or process group is touched;
+:func:`check_same_shapes` (an element shaped unlike its counterpart: an optimizer's
+state or gradient, a saved residual) compares shapes the caller reads.
 Exception types follow torch's averagers (``ValueError`` for bad values); a wrong
 type is a ``TypeError``. Where torch's classes raise for the same rule, the message
 is torch's.

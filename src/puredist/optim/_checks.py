@@ -11,8 +11,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import dtensor_type
-from puredist._validation import BETAS, NON_NEGATIVE, check, check_same_shapes
 from puredist._seq import any_complex, any_none
+from puredist._validation import BETAS, NON_NEGATIVE, check, check_same_shapes
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
