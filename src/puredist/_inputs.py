@@ -256,13 +256,15 @@ _REFUSALS = (  # in order: the first that applies is raised (lambdas: torch.comp
 )
 """What a collective refuses of a tensor, read by :func:`_check_each`."""
 
+_OUT_OF_PLACE_REFUSALS = tuple(r for r in _REFUSALS if not r.in_place_only)
+
 
 def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: bool) -> tuple[int, ...]:
     """Raise for the first tensor that cannot be reduced (the first of
     :data:`_REFUSALS` that applies to it); return the positions that the reduction
     converts (complex tensors and DTensors; ``in_place`` only)."""
     converted = []
-    refusals = [r for r in _REFUSALS if in_place or not r.in_place_only]
+    refusals = _REFUSALS if in_place else _OUT_OF_PLACE_REFUSALS
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
@@ -270,11 +272,11 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
             )
         check_not_pending(tensor, arg, lambda: _label(noun, position, tensor))
         local = local_shard(tensor) if in_place else tensor
-        refused = next((r for r in refusals if r.refuses(local)), None)
-        if refused is not None:
-            strides = local.stride() if "{strides}" in refused.reason else None  # (a sparse tensor has none)
-            reason = refused.reason.format(layout=local.layout, strides=strides)
-            raise refused.error(f"Arg ``{arg}``: {_label(noun, position, tensor)}{reason}")
+        for refused in refusals:
+            if refused.refuses(local):
+                strides = local.stride() if "{strides}" in refused.reason else None  # (a sparse tensor has none)
+                reason = refused.reason.format(layout=local.layout, strides=strides)
+                raise refused.error(f"Arg ``{arg}``: {_label(noun, position, tensor)}{reason}")
         if in_place and (local is not tensor or local.is_complex()):
             converted.append(position)
     return tuple(converted)
