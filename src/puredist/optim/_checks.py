@@ -106,6 +106,7 @@ _FUSED_REFUSALS = (
                   f"torch {torch.__version__}'s fused SGD kernel on a CPU steps {{dtype}} tensors wrongly (parameter "
                   "{i}: it disagrees with its multi-tensor kernel by far more than rounding)"),
 )
+"""What torch's fused kernels refuse, read by :func:`check_fused_takes` in this order."""
 
 
 def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
