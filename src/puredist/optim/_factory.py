@@ -138,14 +138,21 @@ class _Built:
             new_state[i] = s
         return new_state
 
+    def _flat_inputs(self, params: PyTree, grads: PyTree, state: PyTree) -> tuple[list, Any, list, list[NamedTuple]]:
+        """``(leaves, spec, grad leaves, per-parameter states)`` of a step's inputs,
+        once the states and gradients are known to fit the parameters (before
+        anything is stepped)."""
+        leaves, spec = tree_flatten(params)
+        states = _per_leaf(spec, state, len(leaves))
+        grad_leaves = spec.flatten_up_to(grads)
+        check_shapes(leaves, states)
+        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        return leaves, spec, grad_leaves, states
+
     def update_(self, params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
         """Step ``params`` in place (a ``None`` grad skips its parameter); return the
         new state, shaped like ``params``."""
-        leaves, spec = tree_flatten(params)
-        states = _per_leaf(spec, state, len(leaves))
-        check_shapes(leaves, states)
-        grad_leaves = spec.flatten_up_to(grads)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        leaves, spec, grad_leaves, states = self._flat_inputs(params, grads, state)
         return tree_unflatten(spec, self.stepped_in_place(leaves, grad_leaves, states))
 
     def stepped_in_place(self, leaves: list, grad_leaves: list, states: list) -> list:
@@ -160,11 +167,7 @@ class _Built:
         the step is recorded instead: torch's single-tensor kernels in their
         differentiable form (equal to the eager step up to rounding: the step count's
         powers are taken in its dtype: about 1e-5 of ``lr`` for Adam's default betas)."""
-        leaves, spec = tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
-        states = _per_leaf(spec, state, len(leaves))
-        check_shapes(leaves, states)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        leaves, spec, grad_leaves, states = self._flat_inputs(params, grads, state)
         traced = step_recorded(
             lambda: [*leaves, *(g for g in grad_leaves if g is not None),
                      *(t for s in states for t in s if isinstance(t, torch.Tensor))],
