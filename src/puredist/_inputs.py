@@ -25,7 +25,7 @@ refused.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -74,6 +74,10 @@ def is_transformed(tensor: object) -> bool:
 
 
 def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
+    """How messages name a tensor: its position and (but a nested tensor, which has no
+    shape) its shape, dtype and device."""
+    if tensor.is_nested:
+        return f"{noun} {position}"
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
 
 
@@ -212,56 +216,68 @@ def checked_for_reduction(
     return list(tensors)
 
 
+class _Refusal(NamedTuple):
+    """A kind of tensor a reduction refuses.
+
+    Attributes:
+        in_place_only: refused only where the mean is written into the tensor.
+        refuses: ``refuses(tensor) -> bool`` of the tensor as reduced (a DTensor's
+            local shard).
+        error: the exception raised.
+        reason: what the message says after the tensor's label (formatted with the
+            tensor's ``layout`` and ``strides``).
+    """
+
+    in_place_only: bool
+    refuses: Callable[[torch.Tensor], bool]
+    error: type[Exception]
+    reason: str
+
+
+_REFUSALS = (  # in order: the first that applies is raised (lambdas: torch.compile traces them out of place)
+    _Refusal(False, lambda t: t.is_nested, ValueError,
+             " is a nested tensor; only dense tensors can be averaged (average its components, or its values buffer)."),
+    _Refusal(False, lambda t: t.layout != torch.strided, ValueError,
+             " has layout {layout}; only dense tensors can be averaged."),
+    _Refusal(False, lambda t: t.is_meta, ValueError, " is a meta tensor: it holds no values to average."),
+    _Refusal(False, lambda t: t.dtype in FLOAT8, TypeError,
+             ": float8 cannot be summed portably by the backends; average a bf16 or fp16 copy instead."),
+    _Refusal(False, lambda t: not (t.is_floating_point() or t.is_complex()), TypeError,
+             ": averaging needs floating-point or complex tensors (the mean of integers or bools is not one of them)."),
+    _Refusal(True, lambda t: t.is_inference() and not torch.is_inference_mode_enabled(), ValueError,
+             " is an inference tensor (made under torch.inference_mode()): torch allows writing it only in inference "
+             "mode; average it inside torch.inference_mode(), or pass a clone made outside it."),
+    _Refusal(True, lambda t: t.is_neg(), ValueError,
+             " is a negated view (e.g. z.conj().imag), which torch's multi-tensor copy cannot write; average the "
+             "tensor it views instead (the mean of the negations is the negation of the mean)."),
+    _Refusal(True, _may_overlap_itself, ValueError,
+             " has overlapping elements (strides {strides}, e.g. from expand()): its mean cannot be written back; "
+             "pass a contiguous copy."),
+)
+"""What a collective refuses of a tensor, read by :func:`_check_each`."""
+
+_OUT_OF_PLACE_REFUSALS = tuple(r for r in _REFUSALS if not r.in_place_only)
+
+
 def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: bool) -> tuple[int, ...]:
-    """Raise for the first tensor that cannot be reduced; return the positions that
-    the reduction converts (complex tensors and DTensors; ``in_place`` only)."""
+    """Raise for the first tensor that cannot be reduced (the first of
+    :data:`_REFUSALS` that applies to it); return the positions that the reduction
+    converts (complex tensors and DTensors; ``in_place`` only)."""
     converted = []
+    refusals = _REFUSALS if in_place else _OUT_OF_PLACE_REFUSALS
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"Arg ``{arg}`` must be a pytree of tensors; {noun} {position} is {type(tensor).__name__}: {tensor!r}."
             )
-        if tensor.is_nested:  # (before its label: a nested tensor has no shape)
-            raise ValueError(f"Arg ``{arg}``: {noun} {position} is a nested tensor; only dense tensors can be averaged "
-                             "(average its components, or its values buffer).")
         check_not_pending(tensor, arg, lambda: _label(noun, position, tensor))
         local = local_shard(tensor) if in_place else tensor
-        if local.layout != torch.strided:
-            raise ValueError(f"Arg ``{arg}``: {_label(noun, position, tensor)} has layout {local.layout}; only dense "
-                             "tensors can be averaged.")
-        if local.is_meta:
-            raise ValueError(f"Arg ``{arg}``: {_label(noun, position, tensor)} is a meta tensor: it holds no values "
-                             "to average.")
-        if local.dtype in FLOAT8:
-            raise TypeError(
-                f"Arg ``{arg}``: {_label(noun, position, tensor)}: float8 cannot be summed portably by the backends; "
-                "average a bf16 or fp16 copy instead."
-            )
-        if not (local.is_floating_point() or local.is_complex()):
-            raise TypeError(
-                f"Arg ``{arg}``: {_label(noun, position, tensor)}: averaging needs floating-point or complex tensors "
-                "(the mean of integers or bools is not one of them)."
-            )
-        if not in_place:
-            continue
-        if local.is_inference() and not torch.is_inference_mode_enabled():
-            raise ValueError(
-                f"Arg ``{arg}``: {_label(noun, position, tensor)} is an inference tensor (made under "
-                "torch.inference_mode()): torch allows writing it only in inference mode; average it inside "
-                "torch.inference_mode(), or pass a clone made outside it."
-            )
-        if local.is_neg():
-            raise ValueError(
-                f"Arg ``{arg}``: {_label(noun, position, tensor)} is a negated view (e.g. z.conj().imag), which "
-                "torch's multi-tensor copy cannot write; average the tensor it views instead (the mean of the "
-                "negations is the negation of the mean)."
-            )
-        if _may_overlap_itself(local):
-            raise ValueError(
-                f"Arg ``{arg}``: {_label(noun, position, tensor)} has overlapping elements (strides {local.stride()}, "
-                "e.g. from expand()): its mean cannot be written back; pass a contiguous copy."
-            )
-        if local is not tensor or local.is_complex():
+        for refused in refusals:
+            if refused.refuses(local):
+                strides = local.stride() if "{strides}" in refused.reason else None  # (a sparse tensor has none)
+                reason = refused.reason.format(layout=local.layout, strides=strides)
+                raise refused.error(f"Arg ``{arg}``: {_label(noun, position, tensor)}{reason}")
+        if in_place and (local is not tensor or local.is_complex()):
             converted.append(position)
     return tuple(converted)
 

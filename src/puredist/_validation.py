@@ -1,8 +1,15 @@
-"""Checks of static configuration, shared by the functional and classic layers.
+"""The rules an argument's value must satisfy, as data, and the one function that
+applies them; shared by the functional and classic layers.
 
-Each check raises before any tensor or process group is touched, with a message that
-names the argument and its value. Exception types follow torch's averagers
-(``ValueError`` for bad values); a wrong type is a ``TypeError``.
+A :class:`Rule` is a test, an exception type and a message template; :func:`check`
+raises the first rule a value breaks, its message built from the template with the
+argument's name and the value. The rules of a configuration run where a transform,
+optimizer or plan is built, before any tensor or process group is touched;
+:func:`check_same_shapes` (an element shaped unlike its counterpart: an optimizer's
+state or gradient, a saved residual) compares shapes the caller reads.
+Exception types follow torch's averagers (``ValueError`` for bad values); a wrong
+type is a ``TypeError``. Where torch's classes raise for the same rule, the message
+is torch's.
 
 This module must not touch tensors or process groups.
 """
@@ -12,7 +19,7 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
-from typing import Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 _PERIOD_ONE_WARNING = (
     "When period is 1, no need to use model averaging because the communication cost "
@@ -40,16 +47,119 @@ def as_int(value):
     return operator.index(value) if is_integral(value) else value
 
 
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Arg ``{name}`` must be an int, got {value!r} ({type(value).__name__}).")
+class Rule(NamedTuple):
+    """What an argument's value must satisfy.
+
+    Attributes:
+        holds: ``holds(value, bounds) -> bool``, ``bounds`` the keywords given to
+            :func:`check` (e.g. ``stop``, ``world_size``).
+        error: the exception raised where it does not hold.
+        message: its template, formatted with ``arg`` (the argument's name),
+            ``value``, ``type`` (the name of the value's type) and the bounds.
+    """
+
+    holds: Callable[[Any, dict], bool]
+    error: type[Exception]
+    message: str
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_beta(value: object) -> bool:
+    try:
+        return bool(0.0 <= value < 1.0)
+    except (TypeError, RuntimeError):  # not a number (a string, None, a tensor of several values)
+        return False
+
+
+INT = Rule(lambda v, b: _is_int(v), TypeError, "Arg ``{arg}`` must be an int, got {value!r} ({type}).")
+POSITIVE = Rule(lambda v, b: v > 0, ValueError, "Arg ``{arg}`` must be a positive value, got {value}.")
+NON_NEGATIVE = Rule(lambda v, b: _is_number(v) and v >= 0, ValueError,  # (NaN fails)
+                    "Arg ``{arg}`` must be a non-negative number, got {value!r}.")
+NON_NEGATIVE_INT = Rule(lambda v, b: _is_int(v) and v >= 0, ValueError,
+                        "Arg ``{arg}`` must be a non-negative int, got {value!r}.")
+AT_LEAST_ONE = Rule(lambda v, b: _is_int(v) and v >= 1, ValueError, "Arg ``{arg}`` must be an int >= 1, got {value!r}.")
+BELOW = Rule(lambda v, b: 0 <= v < b["stop"], ValueError, "Arg ``{arg}`` must be in [0, {stop}), got {value!r}.")
+ONE_OF = Rule(lambda v, b: v in b["choices"], ValueError, "Arg ``{arg}`` must be one of {choices}, got {value!r}.")
+INSTANCE = Rule(lambda v, b: isinstance(v, b["kind"]), TypeError,
+                "Arg ``{arg}`` must be a {kind.__module__}.{kind.__name__}, got {value!r}.")
+BETAS = Rule(lambda v, b: isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_is_beta, v)), ValueError,
+             "Arg ``{arg}`` must be two numbers in [0, 1), got {value!r}.")
+NOT_EMPTY = Rule(lambda v, b: len(v) > 0, ValueError, "Arg ``{arg}`` must not be empty.")
+NON_NEGATIVE_INTS = Rule(lambda v, b: all(is_integral(s) and s >= 0 for s in v), ValueError,
+                         "Arg ``{arg}`` must be non-negative ints, got {value!r}.")
+LENGTH = Rule(lambda v, b: len(v) == b["length"], ValueError, "Arg ``{arg}`` must have {length} entries, got {value!r}.")
+PARTITION = Rule(  # of range(count), into lists
+    lambda v, b: all(is_integral(i) for part in v for i in part)
+    and sorted(i for part in v for i in part) == list(range(b["count"])),
+    ValueError, "Arg ``{arg}`` must hold every parameter index in [0, {count}) exactly once, got {value!r}.")
+FLOAT_DTYPES = Rule(lambda v, b: len(v) > 0 and all(getattr(d, "is_floating_point", False) is True for d in v),
+                    ValueError,
+                    "Arg ``{arg}`` must be a non-empty sequence of floating-point torch dtypes, got {value!r}.")
+# a hierarchy's periods (lowest level first) and group sizes; torch's messages where torch checks the same
+MIN_PERIOD = Rule(lambda v, b: v[0] > 0, ValueError,
+                  "The minimum period in arg ``{arg}`` must be a positive value, got {value[0]}.")
+INCREASING = Rule(lambda v, b: all(h > l for l, h in zip(v, v[1:])), ValueError,
+                  "The periods in arg ``{arg}`` must be strictly increasing (lowest level first), got {value}.")
+TOP_IS_WHOLE = Rule(lambda v, b: v == b["world_size"], ValueError,  # (of the last size)
+                    "The last value in arg ``{arg}`` {value} must be equal to the size of {whole} {world_size}.")
+DIVISOR = Rule(lambda v, b: v >= 1 and b["world_size"] % v == 0, ValueError,
+               "Every group size in arg ``{arg}`` must be a positive divisor of the group's size {world_size}, "
+               "got {value}.")
+
+PERIOD = (INT, POSITIVE)
+"""A period, a bucket's capacity: an int ``>= 1``."""
+COUNT = (INT, NON_NEGATIVE)
+"""A number of steps (warm-up): an int ``>= 0``."""
+
+
+def check(arg: str, value: Any, *rules: Rule, **bounds: Any) -> None:
+    """Raise for the first of ``rules`` that ``value`` (the argument named ``arg``)
+    breaks, with its message; ``bounds``: what the rules compare with."""
+    for rule in rules:
+        if not rule.holds(value, bounds):
+            raise rule.error(rule.message.format(arg=arg, value=value, type=type(value).__name__, **bounds))
+
+
+def check_each(arg: str, values: Sequence[Any], *rules: Rule, **bounds: Any) -> None:
+    """:func:`check` for each of ``values`` (the elements of the argument ``arg``)."""
+    for value in values:
+        check(arg, value, *rules, **bounds)
+
+
+def check_same_shapes(arg: str, shapes: Sequence[Any], expected: Sequence[Any], *, what: str, other: str,
+                      tail: str = "") -> None:
+    """Raise ``ValueError`` naming the first position ``i`` where ``shapes`` (of the
+    argument ``arg``'s ``what``) differ from ``expected`` (the shapes of ``other``):
+    "Arg ``arg``: what i has shape s, other e" and ``tail``. Two lists of one length;
+    a ``None`` pairs only with ``None`` (an element with nothing to compare). The
+    shapes are compared as lists (torch.compile traces it), the message built only
+    when raising."""
+    if list(shapes) == list(expected):
+        return
+    i = next(i for i, (shape, other_shape) in enumerate(zip(shapes, expected)) if shape != other_shape)
+    raise ValueError(f"Arg ``{arg}``: {what} {i} has shape {tuple(shapes[i])}, {other} {tuple(expected[i])}{tail}")
 
 
 def check_period(period: int, *, arg: str = "period") -> None:
     """Raise unless ``period`` (the argument named ``arg``) is an int ``>= 1``."""
-    _check_int(arg, period)
-    if period < 1:
-        raise ValueError(f"Arg ``{arg}`` must be a positive value, got {period}.")
+    check(arg, period, *PERIOD)
+
+
+def check_warmup_steps(warmup_steps: int) -> None:
+    """Raise unless ``warmup_steps`` is an int ``>= 0``."""
+    check("warmup_steps", warmup_steps, *COUNT)
+
+
+def check_bucket_cap_bytes(bucket_cap_bytes: int) -> None:
+    """Raise unless ``bucket_cap_bytes`` is an int ``>= 1``."""
+    check("bucket_cap_bytes", bucket_cap_bytes, *PERIOD)
 
 
 def warn_if_period_is_one(period: int, *, stacklevel: int | None) -> None:
@@ -66,51 +176,19 @@ def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int | None)
         warnings.warn(_MAX_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 
-def check_warmup_steps(warmup_steps: int) -> None:
-    """Raise unless ``warmup_steps`` is an int ``>= 0``."""
-    _check_int("warmup_steps", warmup_steps)
-    if warmup_steps < 0:
-        raise ValueError(
-            f"Arg ``warmup_steps`` must be a non-negative number, got {warmup_steps}."
-        )
-
-
 def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
     """Raise unless ``periods`` (from the argument named ``arg``) is a non-empty,
     strictly increasing run of ints ``>= 1``."""
-    if len(periods) == 0:
-        raise ValueError(f"Arg ``{arg}`` must not be empty.")
-    for period in periods:
-        _check_int(arg, period)
-    if periods[0] <= 0:
-        raise ValueError(f"The minimum period in arg ``{arg}`` must be a positive value, got {periods[0]}.")
-    for lower, higher in zip(periods, periods[1:]):
-        if higher <= lower:
-            raise ValueError(
-                f"The periods in arg ``{arg}`` must be strictly increasing (lowest level first), got {list(periods)}."
-            )
+    check(arg, periods, NOT_EMPTY)
+    check_each(arg, periods, INT)
+    check(arg, list(periods), MIN_PERIOD, INCREASING)
 
 
 def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
     """Raise unless every group size (from the argument named ``arg``) is a positive
-    divisor of ``world_size`` and the last one (the top of the hierarchy) equals it;
-    ``whole`` names what has ``world_size`` ranks (e.g. ``"arg process_group"``)."""
-    for size in group_sizes:
-        _check_int(arg, size)
-    if group_sizes[-1] != world_size:  # (first, as torch checks it)
-        raise ValueError(
-            f"The last value in arg ``{arg}`` {group_sizes[-1]} must be equal to the size of {whole} {world_size}."
-        )
-    for size in group_sizes:
-        if size < 1 or world_size % size != 0:
-            raise ValueError(
-                f"Every group size in arg ``{arg}`` must be a positive divisor of the group's size "
-                f"{world_size}, got {size}."
-            )
-
-
-def check_bucket_cap_bytes(bucket_cap_bytes: int) -> None:
-    """Raise unless ``bucket_cap_bytes`` is an int ``>= 1``."""
-    _check_int("bucket_cap_bytes", bucket_cap_bytes)
-    if bucket_cap_bytes < 1:
-        raise ValueError(f"Arg ``bucket_cap_bytes`` must be positive, got {bucket_cap_bytes}.")
+    divisor of ``world_size`` and the last one (the top of the hierarchy) equals it
+    (first, as torch checks it); ``whole`` names what has ``world_size`` ranks (e.g.
+    ``"arg process_group"``)."""
+    check_each(arg, group_sizes, INT)
+    check(arg, group_sizes[-1], TOP_IS_WHOLE, world_size=world_size, whole=whole)
+    check_each(arg, group_sizes, DIVISOR, world_size=world_size)

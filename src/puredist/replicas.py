@@ -29,7 +29,7 @@ import torch
 from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
-from puredist._validation import _check_int
+from puredist._validation import BELOW, INT, check
 from puredist.collectives import CollectiveHandle, ReplicaGroups, SimulatedCollective, block_mean
 
 __all__ = ["VmapCollective", "replica_mean"]
@@ -52,18 +52,18 @@ def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def _check_replica_axis(info, num_replicas: int) -> None:
-    """Raise unless the innermost ``vmap`` maps over ``num_replicas``."""
-    if info.batch_size != num_replicas:
+def _check_replica_axis(batch_size: int, num_replicas: int) -> None:
+    """Raise unless the innermost ``vmap`` (of ``batch_size``) maps over ``num_replicas``."""
+    if batch_size != num_replicas:
         raise ValueError(
             f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
-            f"over {info.batch_size}."
+            f"over {batch_size}."
         )
 
 
 def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
     dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
-    _check_replica_axis(info, num_replicas)
+    _check_replica_axis(info.batch_size, num_replicas)
     return block_mean(tensor.movedim(dim, 0), group_size), 0
 
 
@@ -116,7 +116,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info, num_replicas)
+    _check_replica_axis(info.batch_size, num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     return rows[source].unsqueeze(0).expand_as(rows).contiguous(), 0
 
@@ -138,7 +138,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_gather_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info, num_replicas)
+    _check_replica_axis(info.batch_size, num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     gathered = torch.zeros_like(rows)
     gathered[source] = rows.sum(0)  # every replica's copy of the source's value came from the source
@@ -250,9 +250,7 @@ class VmapCollective(ReplicaGroups):
             RuntimeError: outside ``torch.func.vmap`` (over more than one replica):
                 there is no replica axis to take replica ``src``'s value from.
         """
-        _check_int("src", src)
-        if not 0 <= src < self.num_replicas:
-            raise ValueError(f"Arg ``src`` must be in [0, {self.num_replicas}), got {src!r}.")
+        check("src", src, INT, BELOW, stop=self.num_replicas)
         if not all(isinstance(t, torch.Tensor) for t in tensors):  # (any dtype: a broadcast does no arithmetic)
             k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
             raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")
@@ -295,11 +293,7 @@ class VmapCollective(ReplicaGroups):
         level = _vmap_levels_active()[-1]
         rows = [r for r in (_replica_rows(t, level) for t in tensors) if r is not None]
         for r in rows[:1]:
-            if r.shape[0] != self.num_replicas:
-                raise ValueError(
-                    f"The VmapCollective has {self.num_replicas} replicas, but the innermost vmap around it maps "
-                    f"over {r.shape[0]}."
-                )
+            _check_replica_axis(r.shape[0], self.num_replicas)
         SimulatedCollective(self.num_replicas).check_replicated(rows, what=what)
 
 

@@ -28,7 +28,7 @@ import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
-from puredist._validation import is_integral
+from puredist._validation import AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, check, is_integral
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
@@ -117,14 +117,6 @@ def _lpt(items: Sequence[tuple[int, Sequence[int]]], loads: list[int], owners: l
             owners[member] = rank
 
 
-def _check_buckets(buckets: Sequence[Sequence[int]], count: int) -> None:
-    flat = [i for bucket in buckets for i in bucket]
-    if not all(map(is_integral, flat)) or sorted(flat) != list(range(count)):
-        raise ValueError(
-            f"Arg ``buckets`` must hold every parameter index 0..{count - 1} exactly once, got {list(buckets)!r}."
-        )
-
-
 def reverse_order_buckets(nbytes: Sequence[int], bucket_cap_bytes: int, first_bucket_cap_bytes: int) -> list[list[int]]:
     """The bucket layout DDP settles on after its first iteration, for a model whose
     gradients become ready in reverse registration order (the usual case): walking
@@ -176,24 +168,20 @@ def plan_zero(
         ValueError: unknown strategy, ``world_size < 1``, negative size, missing or
             malformed ``buckets``.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Arg ``strategy`` must be one of {STRATEGIES}, got {strategy!r}.")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"Arg ``world_size`` must be a positive int, got {world_size!r}.")
+    check("strategy", strategy, ONE_OF, choices=STRATEGIES)
+    check("world_size", world_size, AT_LEAST_ONE)
     sizes = list(sizes)
-    if not all(is_integral(size) and size >= 0 for size in sizes):
-        raise ValueError(f"Arg ``sizes`` must be non-negative ints, got {sizes!r}.")
+    check("sizes", sizes, NON_NEGATIVE_INTS)
     owners = [0] * len(sizes)
     loads = list(start_loads) if start_loads is not None else [0] * world_size
-    if len(loads) != world_size:
-        raise ValueError(f"Arg ``start_loads`` must have {world_size} entries, got {list(loads)!r}.")
+    check("start_loads", loads, LENGTH, length=world_size)
     if strategy == "balanced":
         _lpt([(size, (i,)) for i, size in enumerate(sizes)], loads, owners)
         return ZeroPlan(world_size, tuple(owners))
     if buckets is None:
         raise ValueError(f"Arg ``buckets`` is required by strategy {strategy!r}.")
     buckets = [list(bucket) for bucket in buckets]  # (iterators are read once)
-    _check_buckets(buckets, len(sizes))
+    check("buckets", buckets, PARTITION, count=len(sizes))
     if strategy == "whole_buckets":
         _lpt([(sum(sizes[i] for i in bucket), tuple(bucket)) for bucket in buckets], loads, owners)
     elif strategy == "split_buckets":

@@ -29,6 +29,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("puredist.testing needs hypothesis: pip install 'puredist[testing]'") from error
 
+from puredist._validation import AT_LEAST_ONE, FLOAT_DTYPES, NOT_EMPTY, check, check_each
 from puredist.tree import PyTree, tree_map
 
 __all__ = ["DTYPES", "ReplicaWorld", "divisors", "parameter_trees", "replica_worlds", "shown"]
@@ -81,17 +82,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Arg ``{name}`` must be an int >= 1, got {value!r}.")
-
-
-def _check_dtypes(dtypes: Sequence[torch.dtype]) -> None:
-    dtypes = list(dtypes)
-    if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
-        raise ValueError(f"Arg ``dtypes`` must be a non-empty sequence of floating-point torch dtypes, got {dtypes!r}.")
-
-
 def parameter_trees(
     replicas: int | None = None, dtypes: Sequence[torch.dtype] = DTYPES, max_leaves: int = 8
 ) -> st.SearchStrategy[PyTree]:
@@ -106,9 +96,9 @@ def parameter_trees(
             empty or holding a dtype that is not floating-point.
     """
     if replicas is not None:
-        _check_positive("replicas", replicas)
-    _check_positive("max_leaves", max_leaves)
-    _check_dtypes(dtypes)
+        check("replicas", replicas, AT_LEAST_ONE)
+    check("max_leaves", max_leaves, AT_LEAST_ONE)
+    check("dtypes", list(dtypes), FLOAT_DTYPES)
     return _parameter_trees(replicas, tuple(dtypes), max_leaves)
 
 
@@ -147,11 +137,9 @@ def replica_worlds(
             >= 1; ``dtypes`` as :func:`parameter_trees`.
     """
     replica_counts = tuple(replica_counts)
-    if not replica_counts:
-        raise ValueError("Arg ``replica_counts`` must not be empty.")
-    for count in replica_counts:
-        _check_positive("replica_counts", count)
-    _check_dtypes(dtypes)
+    check("replica_counts", replica_counts, NOT_EMPTY)
+    check_each("replica_counts", replica_counts, AT_LEAST_ONE)
+    check("dtypes", list(dtypes), FLOAT_DTYPES)
     return _replica_worlds(replica_counts, tuple(dtypes))
 
 

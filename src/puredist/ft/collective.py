@@ -339,18 +339,16 @@ class ManagerCollective:
         if self.manager.errored() is not None:
             self._commit(given, what, "the rank check")  # votes against, and raises
         members, s1, q1, s2, q2, count, refusing = (int(v) for v in row.tolist())
+        at = f"{what} at torchft step {self.manager.current_step()}"
+        error = None
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
             reason = ("no replica contributes (every one is healing)" if count < 1 else
                       "the replicas passed different tensor layouts or contexts, or committed different histories "
                       "(a step that some replicas committed and others redid in a quorum without them)")
-            error = RankMismatchError(f"{what} at torchft step {self.manager.current_step()}: {reason}; nothing was "
-                                      "changed.", layouts_differ=count >= 1)
-            self.manager.report_error(error)
-            self._vote()
-            raise error
-        if refusing:
-            error = ValueError(f"{what} at torchft step {self.manager.current_step()}: {refusing} replica(s) refused "
-                               "the step; nothing was changed.")
+            error = RankMismatchError(f"{at}: {reason}; nothing was changed.", layouts_differ=count >= 1)
+        elif refusing:
+            error = ValueError(f"{at}: {refusing} replica(s) refused the step; nothing was changed.")
+        if error is not None:  # every replica votes against the step, then raises
             self.manager.report_error(error)
             self._vote()
             raise error

@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 
+from puredist._validation import AT_LEAST_ONE, INSTANCE, check
+
 __all__ = ["replica_manager"]
 
 _STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -55,11 +57,9 @@ def replica_manager(
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
-        raise ValueError(f"Arg ``min_replicas`` must be a whole number >= 1, got {min_replicas!r}.")
-    for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
-        if not isinstance(value, timedelta):
-            raise TypeError(f"Arg ``{name}`` must be a datetime.timedelta, got {value!r}.")
+    check("min_replicas", min_replicas, AT_LEAST_ONE)
+    check("timeout", timeout, INSTANCE, kind=timedelta)
+    check("quorum_timeout", quorum_timeout, INSTANCE, kind=timedelta)
     cuda = torch.device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"Arg ``device`` is {device!r}, but this process has no CUDA device (torch "

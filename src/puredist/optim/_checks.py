@@ -6,31 +6,35 @@ This module must not step anything.
 """
 
 from itertools import repeat
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from puredist._dtensors import dtensor_type
 from puredist._seq import any_complex, any_none
+from puredist._validation import BETAS, NON_NEGATIVE, check, check_same_shapes
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
 
-def check_nonnegative(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # (NaN too)
-        raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value!r}.")
+HYPERS = {"betas": (BETAS,)}
+"""The rules of the hyper-parameters that are not a non-negative number (the others'
+rule), a schedule's values included."""
 
 
-def check_betas(betas: Any) -> None:
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_beta, betas))):
-        raise ValueError(f"Arg ``betas`` must be two numbers in [0, 1), got {betas!r}.")
+def check_hyper(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` satisfies hyper-parameter ``name``'s
+    rules (:data:`HYPERS`; a non-negative number where it has none)."""
+    check(name, value, *HYPERS.get(name, (NON_NEGATIVE,)))
 
 
-def _is_beta(value: Any) -> bool:
-    try:
-        return bool(0.0 <= value < 1.0)
-    except (TypeError, RuntimeError):  # not a number (a string, None, a tensor of several values)
-        return False
+def check_hypers(values: dict[str, Any], *, scheduled: Sequence[str]) -> None:
+    """:func:`check_hyper` for each of ``values`` at construction, but a schedule (a
+    callable) of a hyper-parameter in ``scheduled``, whose values are checked at the
+    update."""
+    for name, value in values.items():
+        if not (callable(value) and name in scheduled):
+            check_hyper(name, value)
 
 
 def check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
@@ -60,47 +64,68 @@ def _count_field(kind: type) -> str | None:
     return declared.counts[0] if declared is not None and declared.counts else None
 
 
-def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
-    """Raise, naming the argument, before anything is stepped where torch's fused
-    kernel would raise its own ``NotImplementedError`` from inside the step: it has no
-    complex kernels."""
-    if not fused or not any_complex(params):
-        return
-    complex_ = [i for i, p in enumerate(params) if p.is_complex()]
-    if complex_:
-        raise TypeError(
-            f"Arg ``fused`` of {name}: torch's fused kernel takes no complex parameters (parameter {complex_[0]} "
-            f"is {params[complex_[0]].dtype}); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
-        )
-
-
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
-def check_fused_sgd_takes(params: Sequence[torch.Tensor], fused: bool | None) -> None:
-    """:func:`check_fused_takes`, and what torch's fused SGD kernel would get wrong or
-    refuse from inside the step: DTensor parameters (no sharding rule for it), and
-    16-bit parameters on a CPU where the installed torch's kernel disagrees with its
-    multi-tensor kernel (torch 2.13's steps a 16-element bf16 tensor 2.4 off after one
-    step at lr 0.7; probed once per dtype)."""
-    check_fused_takes(params, fused, "sgd")
-    if not fused or torch.compiler.is_compiling():  # (compiled, the fused kernel does not run)
-        return
+class _FusedRefusal(NamedTuple):
+    """What torch's fused kernel would refuse or step wrongly from inside the step.
+
+    Attributes:
+        kernel: the optimizer whose fused kernel it is (``None``: every one).
+        eager_only: only where the step runs eagerly (compiled, the fused kernel
+            does not run).
+        any_may: ``any_may(params)``: whether some parameter may be refused, read
+            without a Python frame per parameter (the usual path).
+        refuses: ``refuses(param)``.
+        error: the exception raised.
+        why: the message's reason, formatted with the first refused parameter's
+            position ``i`` and ``dtype``.
+    """
+
+    kernel: str | None
+    eager_only: bool
+    any_may: Callable[[Sequence[torch.Tensor]], bool]
+    refuses: Callable[[torch.Tensor], bool]
+    error: type[Exception]
+    why: str
+
+
+def _any_dtensor(params: Sequence[torch.Tensor]) -> bool:
     dtensor = dtensor_type()
-    if dtensor is not None and any(map(isinstance, params, repeat(dtensor))):
-        raise TypeError(
-            "Arg ``fused`` of sgd: torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule); "
-            "nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
-        )
-    if _HALF_DTYPES.isdisjoint(map(DTYPE, params)) or not any(map(IS_CPU, params)):
-        return  # (C-level: no Python frame per parameter on the usual path)
-    wrong = [i for i, p in enumerate(params) if p.is_cpu and p.dtype in _HALF_DTYPES and not cpu_fused_sgd_sound(p.dtype)]
-    if wrong:
-        raise ValueError(
-            f"Arg ``fused`` of sgd: torch {torch.__version__}'s fused SGD kernel on a CPU steps {params[wrong[0]].dtype} "
-            f"tensors wrongly (parameter {wrong[0]}: it disagrees with its multi-tensor kernel by far more than "
-            "rounding); nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
-        )
+    return dtensor is not None and any(map(isinstance, params, repeat(dtensor)))
+
+
+_FUSED_REFUSALS = (
+    _FusedRefusal(None, False, any_complex, lambda p: p.is_complex(), TypeError,
+                  "torch's fused kernel takes no complex parameters (parameter {i} is {dtype})"),
+    _FusedRefusal("sgd", True, _any_dtensor, lambda p: isinstance(p, dtensor_type()), TypeError,
+                  "torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule)"),
+    # torch 2.13's steps a 16-element bf16 tensor 2.4 off after one step at lr 0.7 (probed once per dtype)
+    _FusedRefusal("sgd", True, lambda ps: not _HALF_DTYPES.isdisjoint(map(DTYPE, ps)) and any(map(IS_CPU, ps)),
+                  lambda p: p.is_cpu and p.dtype in _HALF_DTYPES and not cpu_fused_sgd_sound(p.dtype), ValueError,
+                  f"torch {torch.__version__}'s fused SGD kernel on a CPU steps {{dtype}} tensors wrongly (parameter "
+                  "{i}: it disagrees with its multi-tensor kernel by far more than rounding)"),
+)
+"""What torch's fused kernels refuse, read by :func:`check_fused_takes` in this order."""
+
+
+def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str) -> None:
+    """Raise, naming the argument, before anything is stepped where torch's fused
+    kernel of the optimizer ``name`` would raise its own error from inside the step
+    (complex parameters; SGD's: DTensor parameters) or step wrongly (SGD's: 16-bit
+    parameters on a CPU where the installed torch's kernel disagrees with its
+    multi-tensor kernel): the first of :data:`_FUSED_REFUSALS` that applies."""
+    if not fused:
+        return
+    for refusal in _FUSED_REFUSALS:
+        if refusal.kernel not in (None, name) or (refusal.eager_only and torch.compiler.is_compiling()):
+            continue
+        refused = [i for i, p in enumerate(params) if refusal.refuses(p)] if refusal.any_may(params) else []
+        if refused:
+            why = refusal.why.format(i=refused[0], dtype=params[refused[0]].dtype)
+            raise refusal.error(
+                f"Arg ``fused`` of {name}: {why}; nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+            )
 
 
 def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -> None:
@@ -117,13 +142,9 @@ def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -
     buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
     if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
         return
-    if [b.shape for b in buffers] == [p.shape for p in leaves]:
-        return
-    i = next(i for i, (b, p) in enumerate(zip(buffers, leaves)) if b.shape != p.shape)
-    raise ValueError(
-        f"Arg ``state``: parameter {i} has shape {tuple(leaves[i].shape)}, its state's buffers "
-        f"{tuple(buffers[i].shape)}: a state made by init for other parameters. Nothing was stepped."
-    )
+    check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
+                      other="its state's buffers",
+                      tail=": a state made by init for other parameters. Nothing was stepped.")
 
 
 def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], name: str,
@@ -132,12 +153,8 @@ def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     skips its parameter) has another shape than its parameter, or is sparse for an
     optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
     shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
-    if shapes != [p.shape if s is not None else None for p, s in zip(leaves, shapes)]:
-        i = next(i for i, (s, p) in enumerate(zip(shapes, leaves)) if s is not None and s != p.shape)
-        raise ValueError(
-            f"Arg ``grads``: gradient {i} has shape {tuple(shapes[i])}, its parameter {tuple(leaves[i].shape)}. "
-            "Nothing was stepped."
-        )
+    check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
+                      what="gradient", other="its parameter", tail=". Nothing was stepped.")
     if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
         i = next(i for i, g in enumerate(grads) if g is not None and IS_SPARSE(g))
         raise ValueError(

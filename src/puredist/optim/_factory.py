@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist.optim._checks import check_grads, check_nonnegative, check_shapes
+from puredist.optim._checks import check_grads, check_hyper, check_shapes
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
@@ -54,7 +54,7 @@ tensors, the inputs untouched, or ``None`` where it does not apply (then the pur
 def make_optimizer(
     state_type: type, init_leaf: Callable[[torch.Tensor], NamedTuple], run: Callable[..., list[NamedTuple]], *,
     hypers: dict[str, Hyper] | None = None, kind: str = "", config: str | None = None,
-    validate: Callable[[str, Any], None] = check_nonnegative, differentiable: bool = False,
+    validate: Callable[[str, Any], None] = check_hyper, differentiable: bool = False,
     check: Callable[[list, bool], None] | None = None, pure_step: PureStep | None = None, writes_grads: bool = False,
     takes_sparse: bool = True,
 ) -> Optimizer:
@@ -74,7 +74,8 @@ def make_optimizer(
             states' count); ``traced``: the step is recorded (autograd, ``torch.func``).
         hypers: the hyper-parameters, numbers or schedules of the count (the state
             then declares a :data:`~puredist.optim.base.Count`), each
-            value passed to ``validate(name, value)`` (default: non-negative) before
+            value passed to ``validate(name, value)`` (default: ``betas`` two numbers in
+            ``[0, 1)``, the others non-negative numbers) before
             anything is stepped.
         kind: its name; ``config``: its :attr:`~puredist.optim.base.Optimizer.config`
             (default: ``kind(hyper=value, ...)``).
@@ -137,14 +138,21 @@ class _Built:
             new_state[i] = s
         return new_state
 
+    def _flat_inputs(self, params: PyTree, grads: PyTree, state: PyTree) -> tuple[list, Any, list, list[NamedTuple]]:
+        """``(leaves, spec, grad leaves, per-parameter states)`` of a step's inputs,
+        once the states and gradients are known to fit the parameters (before
+        anything is stepped)."""
+        leaves, spec = tree_flatten(params)
+        states = _per_leaf(spec, state, len(leaves))
+        grad_leaves = spec.flatten_up_to(grads)
+        check_shapes(leaves, states)
+        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        return leaves, spec, grad_leaves, states
+
     def update_(self, params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
         """Step ``params`` in place (a ``None`` grad skips its parameter); return the
         new state, shaped like ``params``."""
-        leaves, spec = tree_flatten(params)
-        states = _per_leaf(spec, state, len(leaves))
-        check_shapes(leaves, states)
-        grad_leaves = spec.flatten_up_to(grads)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        leaves, spec, grad_leaves, states = self._flat_inputs(params, grads, state)
         return tree_unflatten(spec, self.stepped_in_place(leaves, grad_leaves, states))
 
     def stepped_in_place(self, leaves: list, grad_leaves: list, states: list) -> list:
@@ -159,11 +167,7 @@ class _Built:
         the step is recorded instead: torch's single-tensor kernels in their
         differentiable form (equal to the eager step up to rounding: the step count's
         powers are taken in its dtype: about 1e-5 of ``lr`` for Adam's default betas)."""
-        leaves, spec = tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
-        states = _per_leaf(spec, state, len(leaves))
-        check_shapes(leaves, states)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        leaves, spec, grad_leaves, states = self._flat_inputs(params, grads, state)
         traced = step_recorded(
             lambda: [*leaves, *(g for g in grad_leaves if g is not None),
                      *(t for s in states for t in s if isinstance(t, torch.Tensor))],

@@ -4,7 +4,7 @@ torch's own kernels).
 This module must not communicate.
 """
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.optim.adam import adam as _adam_kernel
@@ -12,7 +12,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from puredist._docs import fields_documented
 from puredist._seq import any_complex, rows_of
-from puredist.optim._checks import check_betas, check_fused_takes, check_kernel_choice, check_nonnegative
+from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
@@ -54,15 +54,8 @@ class AMSGradParamState(NamedTuple):
 def _adam_family(
     lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
 ) -> Optimizer:
-    for arg, value in (("eps", eps), ("weight_decay", weight_decay), ("lr", lr)):
-        if not callable(value) or arg == "eps":
-            check_nonnegative(arg, value)
+    check_hypers(dict(eps=eps, weight_decay=weight_decay, lr=lr, betas=betas), scheduled=("lr", "weight_decay", "betas"))
     check_kernel_choice(foreach, fused)
-    if not callable(betas):
-        check_betas(betas)
-
-    def validate(name: str, value: Any) -> None:
-        check_betas(value) if name == "betas" else check_nonnegative(name, value)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState | AMSGradParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
@@ -115,7 +108,7 @@ def _adam_family(
                          fused=fused)
     return make_optimizer(
         AMSGradParamState if amsgrad else AdamParamState, init_leaf, run,
-        hypers={"lr": lr, "weight_decay": weight_decay, "betas": betas}, config=config, validate=validate,
+        hypers={"lr": lr, "weight_decay": weight_decay, "betas": betas}, config=config,
         differentiable=differentiable, check=lambda params, traced: check_fused_takes(params, fused and not traced,
                                                                                          "adam/adamw"),
         pure_step=pure_step, takes_sparse=False,

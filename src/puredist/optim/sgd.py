@@ -13,7 +13,7 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist.optim._checks import check_fused_sgd_takes, check_kernel_choice, check_nonnegative, counts_of
+from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import fused_choice, grads_for, sgd_foreach_choice, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -108,9 +108,7 @@ def sgd(
             momentum or with dampening; a momentum schedule with dampening; ``fused``
             and ``foreach`` both True.
     """
-    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if not callable(value):
-            check_nonnegative(name, value)
+    check_hypers(dict(lr=lr, momentum=momentum, weight_decay=weight_decay), scheduled=("lr", "momentum", "weight_decay"))
     check_kernel_choice(foreach, fused)
     if nesterov and ((not callable(momentum) and momentum <= 0) or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
@@ -125,7 +123,8 @@ def sgd(
     return make_optimizer(
         _sgd_state_type(options.has_momentum, options.counted), options.init_leaf, options.run,
         hypers={"lr": lr, "weight_decay": weight_decay, "momentum": momentum}, config=config,
-        differentiable=differentiable, check=lambda params, traced: check_fused_sgd_takes(params, fused and not traced),
+        differentiable=differentiable,
+        check=lambda params, traced: check_fused_takes(params, fused and not traced, "sgd"),
         pure_step=options.pure_step, writes_grads=nesterov,
     )
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from puredist._dtensors import like, local_shard
+from puredist._validation import NON_NEGATIVE_INT, check, check_same_shapes
 from puredist.collectives import CollectiveHandle
 from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
@@ -129,25 +130,18 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
     """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
     can be loaded on ``rank`` (nothing is built before it passes): first what says
     whose checkpoint it is (configuration, optimizer, world size), then that every
-    entry is there, then the values that must agree (step, shapes, steps in flight),
-    then every entry's kind."""
-    check_origin(config, state, saved, fragments, rank)
+    entry is there (a rank-local one missing: saved by fewer ranks), then the values that must agree (step, residuals' shapes, steps in
+    flight), then every entry's kind (the global copy's shapes among them)."""
+    check_origin(config, state, saved)
     expected = state_dict(config, state, rank=rank)  # this transform's entries, from the template
     check_entries(expected, saved, kinds=False)
     step = saved["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"Arg ``saved``: ``step`` must be a non-negative int, got {step!r}.")
-    for i, template in enumerate(state.global_params):
-        shape = tuple(saved[f"global.{i}"].shape)
-        if shape != tuple(template.shape):
-            raise ValueError(f"Arg ``saved``: ``global.{i}`` has shape {shape}, the parameter has {tuple(template.shape)}.")
-    for i, template in enumerate(state.residuals):
-        shape = tuple(saved[f"residual.{i}.rank{rank}"].shape)
-        if shape != tuple(template.shape):
-            raise ValueError(
-                f"Arg ``saved``: rank {rank}'s residual {i} has shape {shape}, this rank's shard {tuple(template.shape)}: "
-                "it was saved at another sharding. A compressed run resumes at the layout it was saved at."
-            )
+    check("saved['step']", step, NON_NEGATIVE_INT)
+    check_same_shapes(
+        "saved", [saved[f"residual.{i}.rank{rank}"].shape for i in range(len(state.residuals))],
+        [r.shape for r in state.residuals], what=f"rank {rank}'s residual", other="this rank's shard",
+        tail=": it was saved at another sharding. A compressed run resumes at the layout it was saved at.",
+    )
     for f in range(len(fragments)):
         apply_step, scheduled = int(saved[f"in_flight.{f}.apply_step"]), _in_flight_at(config, f, step)
         if apply_step != scheduled:
@@ -195,9 +189,9 @@ def _unexpected_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], r
 
     return [key for key in saved if key not in expected and not allowed(key)]
 
-def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], fragments, rank: int) -> None:
+def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` where ``saved`` comes from another transform, another
-    outer optimizer, or a world size whose rank-local entries this rank lacks."""
+    outer optimizer, or (with error-feedback residuals) another world size."""
     if saved.get("config") != config.text:
         raise ValueError(
             f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
@@ -227,42 +221,57 @@ def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any
             "residuals are its own (what its payloads have not sent yet), so a compressed run resumes at the "
             "world size it was saved at."
         )
-    if state.residuals and f"residual.0.rank{rank}" not in saved:
-        raise ValueError(
-            f"Arg ``saved`` holds no error-feedback residuals of rank {rank}: it was saved at a smaller world "
-            "size. Each rank's residuals are its own; a compressed run resumes at the world size it was saved at."
+
+
+_RANK_LOCAL_MISSING = (  # (a missing key's pattern, why it is missing), the first that matches a missing key
+    (re.compile(r"residual\.\d+\.rank(?P<rank>\d+)$"),
+     "holds no error-feedback residuals of rank {rank}: it was saved at a smaller world size. Each rank's residuals "
+     "are its own; a compressed run resumes at the world size it was saved at."),
+    (re.compile(r"in_flight\.(?P<fragment>\d+)\.snapshot\.\d+\.rank(?P<rank>\d+)$"),
+     "holds no snapshot of rank {rank} for fragment {fragment}'s synchronization in flight: it was saved at a smaller "
+     "world size. A checkpoint loads at another world size only when no delayed synchronization is in flight (save "
+     "at a step where none is, e.g. a multiple of sync_every that applies no delay)."),
+)
+"""Why an entry that differs between ranks is missing: the checkpoint was saved by
+fewer ranks."""
+
+
+def _missing(expected: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """The keys of ``expected`` (this transform's checkpoint of the template) that
+    ``saved`` lacks, but those that may be absent: ``world_size`` (older
+    checkpoints), a field this optimizer's state does not have either (with its
+    presence flag), and other ranks' snapshots where none is in flight."""
+    def may_be_absent(key: str, template: Any) -> bool:
+        field_absent = key.endswith(".present") and not template or (
+            key.startswith("outer.") and not expected.get(f"{key}.present", True)
         )
-    for f in range(len(fragments)):
-        in_flight = saved.get(f"in_flight.{f}.apply_step", -1)
-        if config.delay and in_flight != -1 and f"in_flight.{f}.snapshot.0.rank{rank}" not in saved:
-            raise ValueError(
-                f"Arg ``saved`` holds no snapshot of rank {rank} for fragment {f}'s synchronization in flight: "
-                "it was saved at a smaller world size. A checkpoint loads at another world size only when no "
-                "delayed synchronization is in flight (save at a step where none is, e.g. a multiple of "
-                "sync_every that applies no delay)."
-            )
+        idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.apply_step") == -1
+        return key == "world_size" or field_absent or idle_snapshot
+
+    return [key for key, template in expected.items() if key not in saved and not may_be_absent(key, template)]
+
+
+def _why_missing(missing: list[str]) -> str:
+    """What the message says of the ``missing`` keys: why a rank-local one is missing
+    (:data:`_RANK_LOCAL_MISSING`, in its order), else the first key."""
+    for pattern, why in _RANK_LOCAL_MISSING:
+        found = next(filter(None, map(pattern.match, missing)), None)
+        if found:
+            return why.format(**found.groupdict())
+    return f"lacks ``{missing[0]}``, which this transform's checkpoint holds."
+
 
 def check_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], *, kinds: bool) -> None:
     """Every entry of ``expected`` (this transform's checkpoint of the template) is in
-    ``saved`` (``kinds``: and of
+    ``saved`` but those that may be absent (see :func:`_missing`); ``kinds``: and of
     the same kind: a tensor of the same shape, and dtype but for a snapshot, which is
     in the parameter's; the same Python type; each outer-state field present where
-    this optimizer's state has it). Absent may be only ``world_size`` (older
-    checkpoints), a field this optimizer's state does not have either (with its
-    presence flag), and other ranks' snapshots where none is in flight."""
-    for key, template in expected.items():
-        if key not in saved:
-            field_absent = key.endswith(".present") and not template or (
-                key.startswith("outer.") and not expected.get(f"{key}.present", True)
-            )
-            # another world size: the snapshots of other ranks (none in flight: checked before)
-            idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.apply_step") == -1
-            if key == "world_size" or field_absent or idle_snapshot:
-                continue
-            raise ValueError(f"Arg ``saved`` lacks ``{key}``, which this transform's checkpoint holds.")
-        if not kinds:
-            continue
-        value = saved[key]
+    this optimizer's state has it."""
+    missing = _missing(expected, saved)
+    if missing:
+        raise ValueError(f"Arg ``saved`` {_why_missing(missing)}")
+    for key, template in expected.items() if kinds else ():
+        value = saved.get(key, template)  # (absent: one that may be)
         if isinstance(template, torch.Tensor):
             same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(template.shape) and (
                 value.dtype == template.dtype or ".snapshot." in key

@@ -43,16 +43,12 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
     same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [t.shape for t in globals_]
     if same and same_dtype:
         same = [t.dtype for t in leaves] == [t.dtype for t in globals_]
-    if same and config.compressor is not None and len(state.residuals) != len(globals_):
+    compressor = config.compressor
+    if same and len(state.residuals) != (len(globals_) if compressor is not None else 0):  # one per parameter, or none
         raise ValueError(
             f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals for {len(globals_)} parameters: "
-            f"it was made by init of a transform without a compressor; this one has {config.compressor.name}. "
-            "Init a state with this transform."
-        )
-    if same and config.compressor is None and state.residuals:
-        raise ValueError(
-            f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals: it was made by init of a "
-            "transform with a compressor; this one has none. Init a state with this transform."
+            f"it was made by init of a transform {'without' if compressor else 'with'} a compressor; this one has "
+            f"{compressor.name if compressor else 'none'}. Init a state with this transform."
         )
     if same:
         return
