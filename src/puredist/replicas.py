@@ -189,7 +189,7 @@ def _replica_exchange_vmap(info, in_dims, tensor: torch.Tensor, transpose: bool,
     """Replica ``r``'s rows ``X[r]``: an all-to-all gives replica ``c`` the rows
     ``X[q, c]`` over ``q`` (the replica axis swapped with the row axis); an all-gather
     gives every replica all of ``X``."""
-    _check_replica_axis(info, num_replicas)
+    _check_replica_axis(info.batch_size, num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     if transpose:
         return rows.transpose(0, 1).contiguous(), 0
@@ -211,7 +211,7 @@ def _(like: torch.Tensor, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_index_vmap(info, in_dims, like: torch.Tensor, num_replicas: int):
-    _check_replica_axis(info, num_replicas)
+    _check_replica_axis(info.batch_size, num_replicas)
     return torch.arange(num_replicas, device=like.device), 0
 
 
