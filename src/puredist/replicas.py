@@ -14,6 +14,9 @@ consecutive replicas is the same division rule as the other backends
 (``puredist.collectives.block_mean``); it is differentiable (the adjoint of a mean
 is the mean of the gradients over the same group), composes with ``torch.func.grad``
 (either side of the ``vmap``) and compiles with ``torch.compile(fullgraph=True)``.
+The all-to-all and the all-gather of a compressed averaging are the batched tensor
+with its replica axis swapped with its row axis, and the batched tensor itself seen
+by every replica (not differentiable: their payloads are integers).
 
 How: a ``torch.library`` custom operator whose ``vmap`` rule takes the mean over the
 batched dimension (it sees all replicas at once there), wrapped in an
