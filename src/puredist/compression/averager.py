@@ -258,7 +258,8 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     chunk ``r``, ``W`` times what the compressed mean lost.
     All leaves travel as one flat row, so quantization blocks and top-k span leaves.
     With a :class:`~puredist.SimulatedCollective` the leaves are stacked ``[W, *shape]``
-    and so are the residuals.
+    and so are the residuals; with a :class:`~puredist.VmapCollective`, under
+    ``torch.func.vmap`` (compiled too), each replica's own, the same bits.
 
     Returns:
         A :class:`CompressedAverager`. ``update`` is pure: the inputs and the state
