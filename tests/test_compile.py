@@ -5,12 +5,14 @@
 The oracle is the eager ``update`` (itself equal to ``torch.optim``, see
 test_optim.py): SGD bit for bit; Adam within 1e-6 (the compiled step takes the bias
 corrections from the step count on the device, as torch's compiled optimizers do; 1e-5 after
-three steps). A
-fused optimizer compiles its multi-tensor form (the fused kernel is opaque to the
-compiler). Inductor (torch 2.13, CPU) miscompiles ``add(..., alpha=...)`` in a step that
-also takes ``torch.func.grad`` (plain SGD's for-loop kernel: 13.0 off after three
-steps): compiled SGD runs the multi-tensor kernel and compiled Adam gets its L2 term
-outside the kernel, hence the plain, weight-decayed and maximizing variants here. ``fullgraph=True`` fails on any graph break, and a step must not recompile.
+three steps). A fused optimizer compiles the single-tensor form (the fused kernel is
+opaque to the compiler): a compiled step is recorded, in the form that runs under
+``vmap`` too (the compiled code cannot see a ``vmap``). Inductor (torch 2.13, CPU)
+miscompiles ``add(..., alpha=...)`` after a matmul in a step that also takes
+``torch.func.grad`` (plain SGD: 13.0 off after three steps): SGD's recorded step writes
+it as a ``sub`` and compiled Adam gets its L2 term outside the kernel, hence the
+plain, weight-decayed and maximizing variants here. ``fullgraph=True`` fails on any
+graph break, and a step must not recompile.
 """
 
 from __future__ import annotations
@@ -98,6 +100,30 @@ def test_a_whole_functional_step_compiles_with_inductor_and_equals_eager(name):
     _assert_trees_close(compiled_run, eager, max(atol, 1e-6))  # inductor fuses: rounding differs (1e-7)
     moved = loss(compiled_run[0]) - loss(params)
     assert moved > 0 if "maximize" in name else moved < 0
+
+
+@pytest.mark.parametrize("make, atol", [(lambda: puredist.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-2), 0.0),
+                                        (lambda: puredist.adamw(1e-2, foreach=True), 1e-6)],
+                         ids=["sgd_nesterov", "adamw_foreach"])
+def test_the_update_of_stacked_replicas_compiles_under_vmap_and_equals_eager(make, atol):
+    # the compiled code cannot see the vmap (dynamo traces it): torch's in-place multi-tensor kernels, which
+    # eagerly run outside transforms, would meet batched tensors, which take no multi-tensor op
+    opt, (model, params, x, y), replicas = make(), _model(), 3
+    stacked = {k: v.expand(replicas, *v.shape).clone() for k, v in params.items()}
+    axes = puredist.tree.vmap_axes(opt.init(params))
+    state = torch.func.vmap(opt.init, out_dims=axes)(stacked)
+    xs = x.expand(replicas, *x.shape) * torch.arange(1.0, replicas + 1).view(-1, 1, 1)  # each replica its batch
+
+    def step(p, s, x):
+        return opt.update(p, grad(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p), s)
+
+    vmapped = torch.func.vmap(step, in_dims=(0, axes, 0), out_dims=(0, axes))
+    compiled = torch.compile(vmapped, fullgraph=True, backend="aot_eager")
+    eager, compiled_run = (stacked, state), (stacked, state)
+    for _ in range(2):
+        eager, compiled_run = vmapped(*eager, xs), compiled(*compiled_run, xs)
+    _assert_trees_close(compiled_run, eager, atol)  # (aot_eager's decompositions round Adam's step: 4e-9)
+    assert not torch.equal(eager[0]["0.weight"][0], eager[0]["0.weight"][1])  # the replicas stepped apart
 
 
 def _chain(error: BaseException) -> str:

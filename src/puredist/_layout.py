@@ -107,7 +107,10 @@ def _cache_key(tensors: Sequence[object]) -> tuple[tuple[int, ...], Sequence[tor
     local shards' addresses, the shards and each DTensor's spec (mesh, placements,
     global shape and stride, which decide the rest of a layout). ``None`` when they
     are not to be cached: a mix of kinds, other subclasses, non-tensors, sparse or
-    functorch-wrapped tensors (no storage to key on), nested tensors (no shape)."""
+    functorch-wrapped tensors (no storage to key on), nested tensors (no shape), and
+    while ``torch.compile`` traces (fake tensors; the traced code runs once per compilation)."""
+    if torch.compiler.is_compiling():
+        return None
     kinds = set(map(type, tensors))
     if kinds <= PLAIN_TYPES:
         guarded, specs = tensors, None

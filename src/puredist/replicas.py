@@ -14,6 +14,9 @@ consecutive replicas is the same division rule as the other backends
 (``puredist.collectives.block_mean``); it is differentiable (the adjoint of a mean
 is the mean of the gradients over the same group), composes with ``torch.func.grad``
 (either side of the ``vmap``) and compiles with ``torch.compile(fullgraph=True)``.
+The all-to-all and the all-gather of a compressed averaging are the batched tensor
+with its replica axis swapped with its row axis, and the batched tensor itself seen
+by every replica (not differentiable: their payloads are integers).
 
 How: a ``torch.library`` custom operator whose ``vmap`` rule takes the mean over the
 batched dimension (it sees all replicas at once there), wrapped in an
@@ -168,6 +171,56 @@ class _ReplicaSelect(torch.autograd.Function):
         return _ReplicaSelect.apply(grad, ctx.source, ctx.num_replicas, not ctx.gather), None, None, None
 
 
+@custom_op("puredist::replica_exchange", mutates_args=())
+def _replica_exchange_op(tensor: torch.Tensor, transpose: bool, num_replicas: int) -> torch.Tensor:
+    """Outside ``vmap`` there is no replica axis: one replica's own rows (an all-to-all,
+    ``transpose``) or its value alone (an all-gather)."""
+    if num_replicas != 1:
+        raise RuntimeError(
+            f"A VmapCollective over {num_replicas} replicas exchanged a tensor outside torch.func.vmap or one the vmap "
+            "does not map: there is no replica axis to exchange it over."
+        )
+    return tensor.clone() if transpose else tensor.unsqueeze(0).clone()
+
+
+@_replica_exchange_op.register_fake
+def _(tensor: torch.Tensor, transpose: bool, num_replicas: int) -> torch.Tensor:
+    return torch.empty_like(tensor) if transpose else tensor.new_empty((1, *tensor.shape))
+
+
+def _replica_exchange_vmap(info, in_dims, tensor: torch.Tensor, transpose: bool, num_replicas: int):
+    """Replica ``r``'s rows ``X[r]``: an all-to-all gives replica ``c`` the rows
+    ``X[q, c]`` over ``q`` (the replica axis swapped with the row axis); an all-gather
+    gives every replica all of ``X``."""
+    _check_replica_axis(info.batch_size, num_replicas)
+    rows = tensor.movedim(in_dims[0], 0)
+    if transpose:
+        return rows.transpose(0, 1).contiguous(), 0
+    return rows.unsqueeze(0).expand(num_replicas, *rows.shape).contiguous(), 0
+
+
+_replica_exchange_op.register_vmap(_replica_exchange_vmap)
+
+
+@custom_op("puredist::replica_index", mutates_args=())
+def _replica_index_op(like: torch.Tensor, num_replicas: int) -> torch.Tensor:
+    """Outside ``vmap``: the one replica, 0."""
+    return torch.zeros((), dtype=torch.int64, device=like.device)
+
+
+@_replica_index_op.register_fake
+def _(like: torch.Tensor, num_replicas: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device=like.device)
+
+
+def _replica_index_vmap(info, in_dims, like: torch.Tensor, num_replicas: int):
+    _check_replica_axis(info.batch_size, num_replicas)
+    return torch.arange(num_replicas, device=like.device), 0
+
+
+_replica_index_op.register_vmap(_replica_index_vmap)
+
+
 def _unmapped(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The positions of ``tensors`` that the innermost ``vmap`` active does not map
     (looked for through any ``torch.func.grad`` wrappers): the same on every
@@ -259,6 +312,44 @@ class VmapCollective(ReplicaGroups):
         unmapped = set(_unmapped(tensors))
         return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas, False)
                 for k, t in enumerate(tensors)]
+
+    def all_to_all(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor ``[R, *shape]`` sent row by row: row ``c`` to replica ``c``; returns
+        ``[R, *shape]`` tensors whose row ``q`` is what replica ``q`` sent to this one
+        (new tensors, any dtype; not differentiable). Under ``vmap``, the replica axis
+        swapped with the row axis. Every tensor must be mapped by the replica axis.
+
+        Raises:
+            RuntimeError: outside ``torch.func.vmap`` (over more than one replica).
+        """
+        return self._exchanged(tensors, transpose=True)
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's value on every replica, stacked ``[R, *shape]`` in replica order
+        (new tensors, any dtype; not differentiable). Under ``vmap``, the batched
+        tensor itself, seen by every replica. Every tensor must be mapped by the
+        replica axis.
+
+        Raises:
+            RuntimeError: outside ``torch.func.vmap`` (over more than one replica).
+        """
+        return self._exchanged(tensors, transpose=False)
+
+    def _exchanged(self, tensors: Sequence[torch.Tensor], *, transpose: bool) -> list[torch.Tensor]:
+        if self.num_replicas > 1:
+            self._check_inside_vmap()
+        if transpose and any(t.dim() == 0 or t.shape[0] != self.num_replicas for t in tensors):
+            k, bad = next((k, t) for k, t in enumerate(tensors) if t.dim() == 0 or t.shape[0] != self.num_replicas)
+            raise ValueError(f"Arg ``tensors``: element {k} has shape {tuple(bad.shape)}; an all-to-all over "
+                             f"{self.num_replicas} replicas sends one row to each, [{self.num_replicas}, *shape].")
+        return [_replica_exchange_op(t, transpose, self.num_replicas) for t in tensors]
+
+    def replica_index(self, like: torch.Tensor) -> torch.Tensor:
+        """This replica's index, a 0-dim int64 tensor on ``like``'s device (``lax.axis_index``):
+        under ``vmap``, mapped by the replica axis; ``like`` is any tensor that axis maps."""
+        if self.num_replicas > 1:
+            self._check_inside_vmap()
+        return _replica_index_op(like, self.num_replicas)
 
     def _check_inside_vmap(self) -> None:
         """Raise ``RuntimeError`` where no ``torch.func.vmap`` runs around the call

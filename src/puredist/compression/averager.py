@@ -18,7 +18,7 @@ from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
 from puredist.compression.codecs import Compressor, check_compressor
-from puredist.compression.phases import gathered_mean, raise_non_finite, two_phase_mean
+from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
 from puredist.errors import RankMismatchError
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
@@ -56,10 +56,11 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layo
     simulated = isinstance(collective, SimulatedCollective)
     if simulated:
         collective.check_stacked(leaves, arg="params")
-    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective):
+    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective) \
+            and not _exchanges(collective):
         raise TypeError(
-            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective or a collective that gathers "
-            f"rows (puredist.ft.ManagerCollective), got {collective!r}."
+            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective, a VmapCollective or a "
+            f"collective that gathers rows (puredist.ft.ManagerCollective), got {collective!r}."
         )
     return simulated
 
@@ -79,6 +80,11 @@ def _gathers(collective: Collective) -> bool:
     return callable(getattr(collective, "all_gather_rows", None))
 
 
+def _exchanges(collective: Collective) -> bool:
+    """Whether ``collective`` runs the replicas as one program over a replica axis, with
+    an all-to-all and an all-gather there (:class:`~puredist.VmapCollective`)."""
+    return callable(getattr(collective, "all_to_all", None))
+
 
 def compressed_mean(
     leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
@@ -96,17 +102,18 @@ def compressed_mean(
         CollectiveError: the all-to-all or the all-gather failed (nothing was written;
             the residuals passed in are still the state to continue from).
     """
-    context = f"{context}, payloads of {compressor.name}"  # (their sizes depend on it: ranks must agree)
+    context = _PayloadsContext(context, compressor.name)  # (their sizes depend on it: ranks must agree)
     layout = layout_of(leaves)
     try:
         simulated = _check_compressible(leaves, collective, layout)
-        _check_residuals(leaves, residuals, layout)
+        if not torch.compiler.is_compiling():  # (traced once per compilation: the same step run eagerly checks them)
+            _check_residuals(leaves, residuals, layout)
     except (TypeError, ValueError) as error:  # the peers learn it in their rank check, instead of waiting
-        refuse_on_all_ranks(collective, error, context=context)
+        refuse_on_all_ranks(collective, error, context=str(context))
         raise
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
-    if not simulated and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
+    if not simulated and not _exchanges(collective) and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
             and leaves[0].dtype not in FLOAT8:  # (no multi-tensor kernel copies float8)
         return _compressed_mean_plain(leaves, residuals, compressor, collective, context)
     count = collective.world_size if simulated else 1  # rows: one per (simulated) rank
@@ -119,6 +126,17 @@ def compressed_mean(
     )
     mean, left = _mean_of_rows(rows, given, compressor, collective, simulated, leaves, residuals, context)
     return _outputs(mean, left, leaves, given, residuals, count)
+
+
+class _PayloadsContext(NamedTuple):
+    """A compressed averaging's rank-check context, formatted only where a rank check
+    or an error uses it (a compiled step traces no formatting of its step count)."""
+
+    context: object
+    compressor: str
+
+    def __str__(self) -> str:
+        return f"{self.context}, payloads of {self.compressor}"
 
 
 def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
@@ -193,6 +211,9 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
     """``(mean, left)`` of ``rows`` (``[count, numel]``: ``leaves`` plus their
     ``residuals``, end to end): the rank check over ``given`` (with any rank's
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""
+    if _exchanges(collective):  # one program: no rank to check against, no value read on the host
+        return exchanged_mean(rows, compressor, collective)
+    context = str(context)
     finite = bool(torch.isfinite(rows).all())
     where = "" if finite else "inf or NaN in " + ", ".join(
         f"leaf {i}" + ("" if torch.isfinite(residual).all() else " (its residual)")
@@ -237,7 +258,8 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
     chunk ``r``, ``W`` times what the compressed mean lost.
     All leaves travel as one flat row, so quantization blocks and top-k span leaves.
     With a :class:`~puredist.SimulatedCollective` the leaves are stacked ``[W, *shape]``
-    and so are the residuals.
+    and so are the residuals; with a :class:`~puredist.VmapCollective`, under
+    ``torch.func.vmap`` (compiled too), each replica's own, the same bits.
 
     Returns:
         A :class:`CompressedAverager`. ``update`` is pure: the inputs and the state

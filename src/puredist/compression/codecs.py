@@ -46,12 +46,13 @@ def _blocks(x: torch.Tensor, block_size: int, multiple: int) -> tuple[torch.Tens
     return padded, padded.abs().amax(dim=1, keepdim=True)
 
 
-def _quantized(x: torch.Tensor, block_size: int, levels: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized(x: torch.Tensor, block_size: int, levels: int, largest: float,
+               multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Integers in ``[-levels, levels]`` per block and the fp32 scales."""
     padded, absmax = _blocks(x, block_size, multiple)
-    scales = (absmax / levels).clamp_(max=_largest_scale(levels))  # (absmax = FLT_MAX: 127 * scale would be inf)
+    scales = (absmax / levels).clamp(max=largest)  # (largest: _largest_scale(levels); absmax = FLT_MAX: 127 * scale is inf)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(padded / safe).clamp_(-levels, levels), scales
+    return torch.round(padded / safe).clamp(-levels, levels), scales
 
 
 @functools.cache
@@ -71,9 +72,10 @@ def int8_blocks(block_size: int = 128) -> Compressor:
         ValueError: ``block_size < 1``.
     """
     _check_block_size(block_size)
+    largest = _largest_scale(127)  # (here, not in the step: a compiled step traces no host loop)
 
     def encode(x: torch.Tensor) -> Payload:
-        q, scales = _quantized(x, block_size, 127)
+        q, scales = _quantized(x, block_size, 127, largest)
         return q.to(torch.int8), scales.flatten()
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
@@ -92,9 +94,10 @@ def int4_blocks(block_size: int = 128) -> Compressor:
     _check_block_size(block_size)
     if block_size % 2:
         raise ValueError(f"Arg ``block_size`` must be even (two values a byte), got {block_size}.")
+    largest = _largest_scale(7)
 
     def encode(x: torch.Tensor) -> Payload:
-        q, scales = _quantized(x, block_size, 7, multiple=2)
+        q, scales = _quantized(x, block_size, 7, largest, multiple=2)
         nibbles = (q + 8).to(torch.uint8).view(-1, 2)
         return nibbles[:, 0] | (nibbles[:, 1] << 4), scales.flatten()
 
@@ -124,7 +127,7 @@ def top_k(fraction: float) -> Compressor:
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
         values, indices = payload
-        return torch.zeros(numel, dtype=torch.float32, device=values.device).index_put_((indices.long(),), values)
+        return values.new_zeros(numel).index_put_((indices.long(),), values)  # (under vmap: a row per replica)
 
     return Compressor(f"top_k({fraction})", encode, decode)
 

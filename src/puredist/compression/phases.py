@@ -1,5 +1,6 @@
 """How compressed payloads travel and are averaged: the two phases over fixed chunk
-owners (an all-to-all, then an all-gather) and the one gather over a torchft quorum,
+owners (an all-to-all, then an all-gather; over real ranks, simulated ones, or a
+``vmap``'s replica axis) and the one gather over a torchft quorum,
 each returning the mean every rank gets and what this rank's payloads lost (its next
 residual). The package docstring (:mod:`puredist.compression`) states the rule.
 
@@ -132,6 +133,33 @@ def two_phase_mean(
     return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
 
 
+def exchanged_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of this replica's row (``[1, numel]``) by the two phases over a
+    replica axis (:class:`~puredist.VmapCollective`'s ``all_to_all`` and
+    ``all_gather``). The replica's index is a tensor there, so what depends on it is a
+    selection, not a branch: every chunk is encoded (its own too, never read). The
+    values are not read on the host: an inf or NaN is not refused here but spreads
+    into the means and the residuals (the same step on a SimulatedCollective, or a
+    real rank, refuses it)."""
+    world, numel = collective.world_size, rows.shape[1]
+    chunk = -(-numel // world)
+    chunks = torch.nn.functional.pad(rows[0], (0, chunk * world - numel)).view(world, chunk)
+    index = collective.replica_index(rows)
+    mine = (torch.arange(world, device=rows.device) == index)[:, None]  # this replica's chunk, [world, 1]
+    payloads = [compressor.encode(chunks[c]) for c in range(world)]
+    kept = torch.where(mine, chunks, torch.stack([compressor.decode(p, chunk) for p in payloads]))
+    received = collective.all_to_all(list(_stacked(payloads)))  # row q: replica q's payload of this one's chunk
+    own = chunks.index_select(0, index.view(1))[0]
+    mean = _mean_in_rank_order([torch.where(mine[q], own, compressor.decode(tuple(t[q] for t in received), chunk))
+                                for q in range(world)])
+    final_payload = compressor.encode(mean)
+    gathered = collective.all_gather(list(final_payload))  # row c: owner c's
+    decoded = torch.cat([compressor.decode(tuple(t[c] for t in gathered), chunk) for c in range(world)])
+    final = compressor.decode(final_payload, chunk)
+    left = torch.where(mine, _owner_residual(mean, final, world), chunks - kept)
+    return decoded[:numel], left.reshape(1, -1)[:, :numel]
+
+
 _FLT_MAX = torch.finfo(torch.float32).max
 
 
@@ -141,4 +169,4 @@ def _owner_residual(mean: torch.Tensor, final: torch.Tensor, world: int) -> torc
     ``±FLT_MAX``: in fp32 a loss above ``FLT_MAX / world`` (top-k dropping a mean near
     fp32's largest) gave ``inf``, which every later call refused, the mass lost all
     the same; saturated, the residual stays finite and sends what fp32 can hold."""
-    return (world * (mean.double() - final.double())).clamp_(-_FLT_MAX, _FLT_MAX).float()
+    return (world * (mean.double() - final.double())).clamp(-_FLT_MAX, _FLT_MAX).float()

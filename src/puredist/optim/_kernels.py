@@ -1,12 +1,13 @@
 """Which of torch's kernels a step runs, and the workarounds around them.
 
-- whether a step is recorded (:func:`step_recorded`: under a ``torch.func`` transform, or
-  ``differentiable`` with autograd on) and then which kernel form it takes;
+- whether a step is recorded (:func:`step_recorded`: while ``torch.compile`` traces,
+  under a ``torch.func`` transform, or ``differentiable`` with autograd on) and then
+  which kernel form it takes;
 - torch's fused and multi-tensor kernels where they run, and where they do not
-  (``torch.compile`` tracing, a recorded step);
-- the workarounds for torch 2.13's inductor on the CPU (:func:`sgd_foreach_choice`,
-  :func:`l2_while_compiling`) and the probe of its fused SGD kernel on 16-bit CPU
-  tensors (:func:`cpu_fused_sgd_sound`, run once per dtype, off the step path);
+  (a recorded step);
+- the workaround for torch 2.13's inductor on the CPU (:func:`l2_while_compiling`) and
+  the probe of its fused SGD kernel on 16-bit CPU tensors (:func:`cpu_fused_sgd_sound`,
+  run once per dtype, off the step path);
 - whether a pure update runs :mod:`puredist.optim._out_of_place`'s twins of the
   multi-tensor kernels (:func:`steps_out_of_place`).
 
@@ -27,20 +28,16 @@ from puredist.optim._out_of_place import runs_foreach
 
 
 def step_recorded(tensors: Callable[[], list[torch.Tensor]], differentiable: bool) -> bool:
-    """Whether the update must be recorded: a tensor of ``tensors()`` is wrapped by a
-    ``torch.func`` transform (``grad``, ``vmap``, ...), or the optimizer is
+    """Whether the update must be recorded: while ``torch.compile`` traces (the traced
+    code cannot tell whether a ``vmap`` maps its tensors: dynamo traces the ``vmap``
+    itself, and its batched tensors take no in-place multi-tensor op; the recorded
+    form runs with or without one), where a tensor of ``tensors()`` is wrapped by a
+    ``torch.func`` transform (``grad``, ``vmap``, ...), or where the optimizer is
     ``differentiable``, autograd is on and a tensor requires grad. ``tensors`` is called
     only where that can be (no transform running, autograd off: no pass over them)."""
-    if transforms_active() and any(map(is_transformed, tensors())):
+    if torch.compiler.is_compiling() or (transforms_active() and any(map(is_transformed, tensors()))):
         return True
     return differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors())
-
-
-def fused_choice(fused: bool | None, traced: bool) -> bool | None:
-    """``fused`` where torch's fused kernel can run: not in a recorded step (it has no
-    differentiable form), nor while ``torch.compile`` traces (the kernel is opaque to
-    the compiler, which fuses torch's multi-tensor form itself)."""
-    return False if traced or torch.compiler.is_compiling() else fused
 
 
 def grads_for(fused: bool | None, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> Sequence:
@@ -59,31 +56,17 @@ def grads_for(fused: bool | None, params: Sequence[torch.Tensor], grads: Sequenc
 _STRIDE = torch.Tensor.stride  # (C-level: no Python frame per tensor)
 
 
-def sgd_foreach_choice(foreach: bool | None, traced: bool) -> bool | None:
-    """SGD's multi-tensor choice: off in a recorded step (the for-loop kernel has the
-    differentiable form), on while ``torch.compile`` traces: inductor (torch 2.13, CPU)
-    miscompiles the for-loop kernel's ``param.add_(grad, alpha=-lr)`` in a graph that
-    also takes ``torch.func.grad`` (13.0 off after three steps of plain SGD); the
-    multi-tensor form compiles exactly (1e-7)."""
-    if traced:
-        return False
-    return True if torch.compiler.is_compiling() else foreach
-
-
-def l2_while_compiling(params, grads, weight_decay: float, maximize: bool, traced: bool) -> tuple[list, float, bool]:
+def l2_while_compiling(params, grads, weight_decay: float, maximize: bool) -> tuple[list, float, bool]:
     """``(grads, weight_decay, maximize)`` for torch's kernel. While ``torch.compile``
-    traces, the L2 term is added here, as one multi-tensor op in torch's own order
-    (negate for ``maximize``, then add ``weight_decay * param``), and the kernel gets
-    neither: inductor (torch 2.13, CPU) miscompiles the for-loop kernel's
-    ``grad.add(param, alpha=weight_decay)`` in a graph that also takes
-    ``torch.func.grad`` (0.2 off after one step); Adam's multi-tensor kernel does not
-    compile on the CPU (its step counts), so the for-loop kernel runs, with this term
-    taken out of it. Eagerly: as given."""
-    if traced or not weight_decay or not torch.compiler.is_compiling():
+    traces, the L2 term is added here, per tensor (``vmap`` maps no multi-tensor op),
+    in torch's order (negate for ``maximize``, then add ``weight_decay * param``),
+    written as a subtraction (the same bits eagerly: ATen's ``sub`` is ``add`` with
+    ``-alpha``), and the kernel gets neither: inductor (torch 2.13, CPU) miscompiles
+    the kernel's ``grad.add(param, alpha=weight_decay)`` after a matmul, in a graph
+    that takes ``torch.func.grad`` (0.2 off after one step). Eagerly: as given."""
+    if not weight_decay or not torch.compiler.is_compiling():
         return grads, weight_decay, maximize
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    return torch._foreach_add(grads, params, alpha=weight_decay), 0.0, False
+    return [(g.neg() if maximize else g).sub(p, alpha=-weight_decay) for p, g in zip(params, grads)], 0.0, False
 
 
 @functools.cache
@@ -110,9 +93,10 @@ out-of-place one does not (on a CPU, bf16 ``x * 0.9`` differs in most elements).
 def steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, *hypers) -> bool:
     """Whether a pure update runs :mod:`puredist.optim._out_of_place`'s step: eagerly, where
     torch would run its multi-tensor kernel, on fp32/fp64 parameters with dense
-    gradients for all of them, no hyper-parameter a schedule. (Every pass over the
+    gradients for all of them, no hyper-parameter a schedule (the caller asks for an
+    unrecorded step only: never while ``torch.compile`` traces). (Every pass over the
     leaves is a C-level ``map``: no Python frame per leaf.)"""
-    return not (any(map(callable, hypers)) or torch.compiler.is_compiling()
+    return not (any(map(callable, hypers))
                 or any_none(grads) or any(map(IS_SPARSE, grads)) or not runs_foreach(params, foreach, fused)
                 or not all(map(_OUT_OF_PLACE_DTYPES.__contains__, map(DTYPE, params))))
 

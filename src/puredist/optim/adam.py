@@ -14,7 +14,7 @@ from puredist._docs import fields_documented
 from puredist._seq import any_complex, rows_of
 from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice
 from puredist.optim._factory import make_optimizer
-from puredist.optim._kernels import fused_choice, grads_for, l2_while_compiling, steps_out_of_place
+from puredist.optim._kernels import grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
 from puredist.optim.base import Count, Optimizer, Shaped, config_text, param_state
 
@@ -66,8 +66,8 @@ def _adam_family(
     def kernel(params, grads, states, traced, lr: float, weight_decay: float, betas) -> None:
         maximize_here = maximize
         if not decoupled:
-            grads, weight_decay, maximize_here = l2_while_compiling(params, grads, weight_decay, maximize, traced)
-        fused_here = fused_choice(fused, traced)
+            grads, weight_decay, maximize_here = l2_while_compiling(params, grads, weight_decay, maximize)
+        fused_here = False if traced else fused  # (recorded: the fused kernel has no differentiable form)
         _adam_kernel(
             params, grads_for(fused_here, params, grads),
             [s.exp_avg for s in states], [s.exp_avg_sq for s in states],

@@ -15,7 +15,7 @@ from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
 from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice, counts_of
 from puredist.optim._factory import make_optimizer
-from puredist.optim._kernels import fused_choice, grads_for, sgd_foreach_choice, steps_out_of_place
+from puredist.optim._kernels import grads_for, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
 from puredist.optim.base import Count, FieldKind, Optimizer, config_text, param_state
 from puredist.optim.schedules import Hyper, read_counts
@@ -162,54 +162,49 @@ class _SGD:
         buffer = torch.full_like(p, -0.0, memory_format=torch.preserve_format) if self.has_momentum else None
         return _sgd_state(buffer, count)
 
-    def first_traced_step(self, param, grad, lr, weight_decay, momentum):
-        """torch's first momentum step (``buf = grad``) without its ``detach``, which would
-        cut the gradient through the buffer; returns the buffer."""
-        grad = -grad if self.maximize else grad
-        if weight_decay:
-            grad = grad.add(param, alpha=weight_decay)
-        buffer = grad.clone()
-        param.add_(grad.add(buffer, alpha=momentum) if self.nesterov else buffer, alpha=-lr)
-        return buffer
-
-    def dampened_traced_step(self, param, grad, state, lr, weight_decay, momentum):
-        """torch's step with dampened momentum, choosing its first step (``buf = grad``,
-        undamped) by the count on the device, so that a mapped count works; returns
-        the buffer."""
-        grad = -grad if self.maximize else grad
-        if weight_decay:
-            grad = grad.add(param, alpha=weight_decay)
-        buffer = torch.where(state.step == 0, grad,
-                             state.momentum_buffer.mul(momentum).add(grad, alpha=1 - self.dampening))
-        param.add_(buffer, alpha=-lr)  # (no nesterov: torch refuses it with dampening)
-        return buffer
+    def recorded_step(self, params, grads, states, lr, weight_decay, momentum) -> list[NamedTuple]:
+        """torch's single-tensor SGD step, recorded (``torch.func`` transforms, autograd,
+        ``torch.compile``): ``params`` (recorded copies) stepped in place, the new
+        states returned. Every ``add`` with a scale is written as a ``sub`` (the same
+        bits eagerly: ATen's ``sub`` is ``add`` with ``-alpha``): inductor (torch 2.13,
+        CPU) drops ``add``'s ``alpha`` after a matmul, a gradient's last op, in a graph
+        that takes ``torch.func.grad`` (plain SGD: 13.0 off after three steps). The
+        first momentum step takes the gradient (torch's ``buf = grad``, without its
+        ``detach``, which would cut the gradient through the buffer); dampened
+        momentum tells it by the count on the device, so that a mapped count works."""
+        if momentum and self.dampening:
+            counts_of(states, "SGD with dampening knows its first step by the count")
+        new_states = []
+        for param, grad, state in zip(params, grads, states):
+            grad = grad.neg() if self.maximize else grad
+            if weight_decay:
+                grad = grad.sub(param, alpha=-weight_decay)
+            buffer, count = getattr(state, "momentum_buffer", None), getattr(state, "step", None)
+            if momentum:
+                if buffer is None:
+                    buffer = grad.clone()
+                elif self.dampening:
+                    buffer = torch.where(count == 0, grad, buffer.mul(momentum).sub(grad, alpha=self.dampening - 1))
+                else:
+                    buffer = buffer.mul(momentum).add(grad)  # (torch's alpha 1 - dampening is 1)
+                grad = grad.sub(buffer, alpha=-momentum) if self.nesterov else buffer
+            param.sub_(grad, alpha=lr)
+            if count is not None:
+                count.add_(1)  # (the state's copy)
+            new_states.append(_sgd_state(buffer, count))
+        return new_states
 
     def run(self, params, grads, states, traced, lr, weight_decay, momentum):
         """Step in place with these values of the hyper-parameters; the new states."""
-        dampening, fused = self.dampening, self.fused
-        buffers = [getattr(s, "momentum_buffer", None) for s in states]
-        if momentum and dampening and traced:
-            counts_of(states, "SGD with dampening knows its first step by the count")
-            buffers = [self.dampened_traced_step(p, g, s, lr, weight_decay, momentum)
-                       for p, g, s in zip(params, grads, states)]
-            for state in states:
-                state.step.add_(1)
-            return [SGDCountedParamState(b, s.step) for b, s in zip(buffers, states)]
-        if momentum and dampening:  # torch's first step copies the gradient undamped: a fresh buffer starts there
+        if traced:
+            return self.recorded_step(params, grads, states, lr, weight_decay, momentum)
+        buffers = [getattr(s, "momentum_buffer", None) for s in states]  # (the kernel fills in those it creates)
+        if momentum and self.dampening:  # torch's first step copies the gradient undamped: a fresh buffer starts there
             counts = read_counts(states, "SGD with dampening knows its first step by the count")
             buffers = [None if count == 0 else buffer for buffer, count in zip(buffers, counts)]
-        first = [k for k, b in enumerate(buffers) if traced and momentum and b is None]
-        for k in first:
-            buffers[k] = self.first_traced_step(params[k], grads[k], lr, weight_decay, momentum)
-        rest = [k for k in range(len(params)) if k not in first]
-        rest_buffers = [buffers[k] for k in rest]  # the kernel fills in the buffers it creates
-        rest_params, fused_here = [params[k] for k in rest], fused_choice(fused, traced)
-        _sgd_kernel(rest_params, grads_for(fused_here, rest_params, [grads[k] for k in rest]), rest_buffers,
-                    foreach=sgd_foreach_choice(self.foreach, traced), fused=fused_here,
-                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=self.nesterov,
-                    maximize=self.maximize)
-        for k, buffer in zip(rest, rest_buffers):
-            buffers[k] = buffer
+        _sgd_kernel(params, grads_for(self.fused, params, grads), buffers, foreach=self.foreach,
+                    fused=self.fused, weight_decay=weight_decay, momentum=momentum, lr=lr,
+                    dampening=self.dampening, nesterov=self.nesterov, maximize=self.maximize)
         counts = [getattr(s, "step", None) for s in states]
         for count in counts:  # scheduled: one more update taken (in place, as Adam's kernel counts)
             if count is not None:

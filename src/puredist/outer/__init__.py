@@ -53,7 +53,7 @@ same for any state of one transform), which ``torch.save`` and
 
 Under ``torch.func.vmap`` over simulated replicas (a :class:`~puredist.VmapCollective`)
 and under ``torch.compile(fullgraph=True)``, ``update`` runs out of place for
-synchronous, uncompressed synchronizations; the state keeps one structure from
+synchronous synchronizations (a compressor's too); the state keeps one structure from
 ``init`` on, so one vmapped (and compiled) step serves every step, from
 ``vmap(init, out_dims=puredist.tree.vmap_axes(init(params_of_one_replica)))`` on
 (examples/jax_style_diloco.py).

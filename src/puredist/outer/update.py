@@ -3,7 +3,7 @@ whose delay is over are applied, and a lower level due averages the idle fragmen
 
 :func:`update_` runs in place; :func:`update` is its pure twin (it works on copies);
 :func:`traced_update` is what :func:`update` runs under ``torch.func`` transforms
-(out of place and differentiable, synchronous and uncompressed only). The schedule
+(out of place, synchronous only; differentiable without a compressor). The schedule
 is :mod:`puredist.outer.schedule`'s, one synchronization :mod:`puredist.outer.sync`'s.
 
 This module must not compute a synchronization itself: it orders those of
@@ -20,6 +20,7 @@ import torch
 from puredist._inputs import is_transformed, transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, refusing
+from puredist.compression import compressed_mean
 from puredist.optim import clone_states
 from puredist.outer.checks import (
     check_collective, check_initial_copy, check_initial_copy_traced, check_params, check_state, initial_check_context,
@@ -148,9 +149,9 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     """Pure: first completes the input state's collectives in flight (their buffers
     belong to the collective until then), then works on copies. Under ``torch.func``
     transforms (``vmap`` with a :class:`~puredist.VmapCollective`, ``grad``) it runs
-    out of place and differentiably, for ``delay=0`` without a compressor, and so it
-    does under ``torch.compile`` (a delayed or compressed step takes the in-place
-    path on copies there, as eagerly). The state keeps its structure from ``init``
+    out of place (differentiably without a compressor), for ``delay=0``, and so it
+    does under ``torch.compile`` (a delayed step takes the in-place path on copies
+    there, as eagerly). The state keeps its structure from ``init``
     on, so one vmapped step serves every step, step 0 included: with ``axes =
     puredist.tree.vmap_axes(transform.init(params_of_one_replica))`` (the step, a
     Python int, unmapped), ``state = vmap(transform.init, out_dims=axes)(stacked)``
@@ -166,8 +167,8 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
     check_state(config, state)
     if transforms_active() and any(map(is_transformed, (*tree_leaves(params), *state.global_params))):
         return traced_update(config, params, state, collective)
-    if torch.compiler.is_compiling() and not (config.delay or config.compressor is not None or state.in_flight):
-        return traced_update(config, params, state, collective)  # (delayed, compressed: the copies' path below)
+    if torch.compiler.is_compiling() and not (config.delay or state.in_flight):
+        return traced_update(config, params, state, collective)  # (delayed: the copies' path below)
     for item in state.in_flight:
         if item.handle.error is None:  # a failed one is issued again by update_
             item.handle.wait()
@@ -196,28 +197,36 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
 
 
 def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
-    """:func:`update` under ``torch.func`` transforms and ``torch.compile``: out of place and
-    differentiable (the collective's ``mean``, the outer optimizer's pure
-    ``update``), for synchronous, uncompressed synchronizations.
+    """:func:`update` under ``torch.func`` transforms and ``torch.compile``: out of place
+    (the collective's ``mean``, or the compressor's two phases with error feedback,
+    :func:`puredist.compression.compressed_mean`; the outer optimizer's pure
+    ``update``), for synchronous synchronizations; differentiable without a
+    compressor (its payloads are not).
 
     Raises:
-        NotImplementedError: a delay, a compressor, or synchronizations in flight.
+        NotImplementedError: a delay, or synchronizations in flight.
     """
-    if config.delay or config.compressor is not None or state.in_flight:
+    if config.delay or state.in_flight:
         raise NotImplementedError(
             config.explain(
-                "Under torch.func transforms the outer update runs synchronous, uncompressed synchronizations "
-                "only (delay=0, no compressor): a delayed one is carried in the state by handles and snapshots "
-                "that no transform can map, a compressor's payloads are not differentiable."
+                "Under torch.func transforms the outer update runs synchronous synchronizations only (delay=0): a "
+                "delayed one is carried in the state by handles and snapshots that no transform can map."
             )
         )
     leaves, spec, fragments = _checked_inputs(config, params, state, collective, traced=True)
     global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)
+    residuals = list(state.residuals)
     due = due_fragments(config, state.step)
     for f in due:
         indices = fragments[f]
         pseudo = [pseudo_gradient(config, global_params[i], leaves[i]) for i in indices]
-        means = collective.mean(pseudo, context=SyncContext(config, f, state.step))
+        if config.compressor is None:
+            means = collective.mean(pseudo, context=SyncContext(config, f, state.step))
+        else:
+            means, left = compressed_mean(pseudo, tuple(residuals[i] for i in indices), config.compressor, collective,
+                                          context=SyncContext(config, f, state.step))
+            for i, residual in zip(indices, left):
+                residuals[i] = residual
         targets = [global_params[i] for i in indices]
         grads = [m.to(g.dtype) for m, g in zip(means, targets)]
         if is_first_sync(config, f, state.step):  # plain averaging (see sync.apply)
@@ -236,5 +245,5 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
                                 context=_LowerContext(config, state.step))
         for i, mean in zip(idle_leaves, means):
             new_leaves[i] = mean
-    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), state.residuals)
+    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), tuple(residuals))
     return tree_unflatten(spec, new_leaves), new_state
