@@ -44,7 +44,6 @@ from puredist.collectives.base import (
     block_mean,
     check_is_collective,
     divides_first,
-    refuse_on_all_ranks,
     refusing,
 )
 from puredist.collectives.distributed import (

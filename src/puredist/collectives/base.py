@@ -23,7 +23,7 @@ import torch
 
 from puredist.staging import CollectiveHandle
 
-__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refuse_on_all_ranks", "refusing"]
+__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refusing"]
 
 
 class Collective(Protocol):
@@ -82,18 +82,6 @@ def check_is_collective(collective: object) -> None:
         )
 
 
-def refuse_on_all_ranks(collective: "Collective", error: Exception, *, group_size: int | None = None,
-                        context: object = "") -> None:
-    """This rank's refusal for ``error`` (a ``TypeError`` or ``ValueError`` found in its
-    input) through the rank check its peers run next over ``collective``'s group of
-    ``group_size`` with ``context``, where the collective has one (see
-    :meth:`~puredist.collectives.distributed.DistributedCollective.refuse_on_all_ranks`): they raise at once instead of
-    waiting for this rank. The caller raises ``error`` then; :class:`refusing` does both."""
-    refuse = getattr(collective, "refuse_on_all_ranks", None)
-    if refuse is not None:
-        refuse(f"{type(error).__name__}: {error}", group_size=group_size, context=context)
-
-
 class refusing:  # (a context manager: named as contextlib.suppress is)
     """Tell the peers that this rank refuses, then raise: the checks of this rank's input
     before a collective run inside ::
@@ -104,7 +92,8 @@ class refusing:  # (a context manager: named as contextlib.suppress is)
 
     A ``TypeError`` or ``ValueError`` leaving the block is this rank's refusal: it first
     goes through the rank check that the peers run next, over ``collective``'s group of
-    ``group_size`` with ``context`` (:func:`refuse_on_all_ranks`), so that they raise
+    ``group_size`` with ``context`` (the collective's ``refuse_on_all_ranks``, see
+    :meth:`~puredist.collectives.distributed.DistributedCollective.refuse_on_all_ranks`), so that they raise
     :class:`~puredist.RankMismatchError` naming it at once instead of waiting for this
     rank until the backend's timeout; then it propagates unchanged (type, message,
     traceback). Any other exception propagates without telling anyone; a block that
@@ -134,8 +123,9 @@ class refusing:  # (a context manager: named as contextlib.suppress is)
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if kind is not None and issubclass(kind, (TypeError, ValueError)):
-            refuse_on_all_ranks(self.collective, error, group_size=self.group_size, context=self.context)
+        refuse = getattr(self.collective, "refuse_on_all_ranks", None)
+        if refuse is not None and kind is not None and issubclass(kind, (TypeError, ValueError)):
+            refuse(f"{kind.__name__}: {error}", group_size=self.group_size, context=self.context)
         return False  # (the error propagates as it is)
 
 

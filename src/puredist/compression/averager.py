@@ -16,7 +16,7 @@ from puredist._docs import fields_documented
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
-from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refuse_on_all_ranks
+from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
 from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
 from puredist.errors import RankMismatchError
@@ -104,13 +104,10 @@ def compressed_mean(
     """
     context = _PayloadsContext(context, compressor.name)  # (their sizes depend on it: ranks must agree)
     layout = layout_of(leaves)
-    try:
+    with refusing(collective, context=context):  # the peers learn a refusal in their rank check, instead of waiting
         simulated = _check_compressible(leaves, collective, layout)
         if not torch.compiler.is_compiling():  # (traced once per compilation: the same step run eagerly checks them)
             _check_residuals(leaves, residuals, layout)
-    except (TypeError, ValueError) as error:  # the peers learn it in their rank check, instead of waiting
-        refuse_on_all_ranks(collective, error, context=str(context))
-        raise
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
     if not simulated and not _exchanges(collective) and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
