@@ -19,7 +19,7 @@ per-message latency ``L``, up to an evaluated step ``k``:
   receives (as much as it sends, in a ring) included, as they leave its egress: measured
   per run over real links (``demo --link``'s unshaped run: the queueing discipline's
   bytes per byte Gloo wrote, message headers and short messages' frames included), else
-  TCP's framing of full segments (:data:`WIRE_BYTES_PER_BYTE`, a lower bound).
+  TCP's framing of full segments (:data:`WIRE_BYTES_PER_BYTE`).
 - ``hidden_j``: the compute the bytes travel behind. Streaming DiLoCo applies a
   fragment ``overlap_steps`` steps after it starts, so its bytes hide behind that many
   steps of compute (the mean step that sent nothing, :func:`compute_seconds`; none where
