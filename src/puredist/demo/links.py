@@ -72,7 +72,8 @@ def parse_rates(text: str) -> list[Rate]:
     for name in dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()):
         match = _RATE.fullmatch(name)
         if match is None or float(match[1]) * _UNITS[match[2].lower()] < 8 * network.FRAME_BYTES:
-            raise ValueError(f"expected rates like 20mbit,100mbit (kbit, mbit, gbit; at least {8 * network.FRAME_BYTES}bit), "
+            raise ValueError(f"expected rates like 20mbit,100mbit (kbit, mbit, gbit; at least "
+                             f"{8 * network.FRAME_BYTES}bit), "
                              f"got {name!r}")
         rates.append(Rate(name, float(match[1]) * _UNITS[match[2].lower()]))
     if not rates:
@@ -152,7 +153,7 @@ def _interrupt(signum, frame):
 
 class Network:
     """``world_size`` worker namespaces on one bridge in a hub namespace, for a
-    ``with`` block (see the module's docstring); :meth:`shape` sets the rate.
+    ``with`` block (see the module's docstring); each worker sets its rate (:func:`shape`).
 
     Attributes:
         hub: the hub namespace's name (the bridge, the rendezvous).
@@ -279,7 +280,8 @@ def compare(summary: dict[str, Any], baseline: dict[str, Any], rate: Rate) -> di
                                                                                        compute)
         compared[algorithm] = {
             "eval_loss": row["eval_loss"], "wire_bytes_per_byte": base.wire_bytes_per_byte,
-            "baseline_s": base.training_s[-1], "measured_s": clock[-1], "projected_s": projected, "ratio": clock[-1] / projected,
+            "baseline_s": base.training_s[-1], "measured_s": clock[-1], "projected_s": projected,
+            "ratio": clock[-1] / projected,
             "transfer_s": network.transfer_seconds(base, last, link, world_size, None),
             "steps_to_target": reached, "measured_to_target_s": to_target, "projected_to_target_s": projected_to_target,
             "ratio_to_target": None if to_target is None else to_target / projected_to_target,
@@ -303,7 +305,8 @@ def measure(args, launch: Callable[..., dict], config: dict[str, Any]) -> dict[s
               f"in {net.hub}", flush=True)
         with inside(net.hub):
             results = launch(args, host=net.address, entrypoint=worker_main, namespaces=net.workers, rates=args.link)
-    by_rate = {name: {rank: {a: runs[name] for a, runs in by_algorithm.items()} for rank, by_algorithm in results.items()}
+    by_rate = {name: {rank: {a: runs[name] for a, runs in by_algorithm.items()}
+                      for rank, by_algorithm in results.items()}
                for name in [BASELINE, *(rate.name for rate in args.link)]}
     runs = {name: summarize(rate_results, task.name, task.title, config) for name, rate_results in by_rate.items()}
     for name, summary in runs.items():
@@ -328,7 +331,8 @@ def links_table(result: dict[str, Any]) -> str:
     target_from = first_run["network_model"]["target_from"]
     lines = [
         "MEASURED over real links (each worker's egress shaped by tbf; training time, evaluations left out) "
-        f"beside PROJECTED (network model, zero latency: the {BASELINE} run's time plus its bytes' frames at the rate):",
+        f"beside PROJECTED (network model, zero latency: the {BASELINE} run's time plus its bytes' frames at the "
+        "rate):",
         f"{'rate':>8s} {'algorithm':14s} {'loss':>6s} {'frames':>6s} | {BASELINE:>8s} {'bytes at':>8s} {'measured':>9s} "
         f"{'projected':>9s} {'ratio':>6s} | to {target_from}'s final loss: {'step':>4s} {'measured':>9s} "
         f"{'projected':>9s} {'ratio':>6s}",

@@ -58,7 +58,8 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
             "wire_bytes_per_byte": (sum(r["egress_bytes"] for r in per_rank) / sum(r["sent_bytes"] for r in per_rank)
                                     if "egress_bytes" in per_rank[0] else None),
             # the slowest worker's training time at each evaluation (None: a worker that was not running then)
-            "training_s": [max(t for t in times if t is not None) for times in zip(*(r["training_s"] for r in per_rank))],
+            "training_s": [max(t for t in times if t is not None)
+                           for times in zip(*(r["training_s"] for r in per_rank))],
         }
         if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
             runs[algorithm]["faults"] = per_rank[0]["faults"]
