@@ -39,10 +39,13 @@ demo: install
 	$(PY) -m puredist demo $(ARGS)
 
 # The main job over real links (as root): each worker in its own network namespace, its egress shaped by tbf to
-# 20 and 100 Mbit/s, measured beside the network model (docs/links.md). Installs iproute2 where tc is missing.
+# 20 and 100 Mbit/s (the language model: 20), measured beside the network model (docs/links.md), into out/links
+# and out/links-lm (about 5 min on 2 cores). Installs iproute2 where tc is missing.
 bench-links: install
 	command -v tc >/dev/null || apt-get install -y iproute2
-	$(PY) -m puredist demo --link 20mbit,100mbit --output out/links $(ARGS)
+	$(PY) -m puredist demo --world-size 2 --link 20mbit,100mbit --output out/links $(ARGS)
+	$(PY) -m puredist demo --task lm --steps 96 --world-size 2 --algorithms ddp,periodic,diloco,streaming \
+		--link 20mbit --output out/links-lm $(ARGS)
 
 # The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 25 min alone on 2 cores)
 bench-lm: install

@@ -96,6 +96,10 @@ def test_the_projection_follows_the_network_model(tiny_run):
     assert model["projected_not_measured"] and model["target_from"] == "ddp"
     compute = model["compute_s_per_step"]
     assert 0 < compute < 1.0
+    # only streaming DiLoCo's bytes travel behind compute: 2 steps of it, the delay before a fragment is applied
+    assert {name: row["overlap_steps"] for name, row in runs.items() if row["overlap_steps"]} == {"streaming": 2}
+    for row in runs.values():  # the training time at each evaluation, the slowest worker's: it grows step by step
+        assert len(row["training_s"]) == len(row["evaluations"]) and row["training_s"] == sorted(row["training_s"])
     assert runs["ddp"]["steps_to_target"] is not None  # DDP reaches its own final loss, at the latest at the end
     # the hierarchical run's group size per step follows its schedule: given exactly where it sent bytes
     hierarchical = runs["hierarchical"]
@@ -135,13 +139,18 @@ def test_within_one_time_budget_each_link_compares_what_every_run_covers(tiny_ru
 
 
 def _projected(row, steps, compute, link, world_size):
-    """The network model, written out again: compute, bytes over bandwidth, 2 (g - 1) latencies per sending step
-    over the g workers its collective spans (all but at a hierarchy's lower levels)."""
+    """The network model, written out again: the training time measured up to the evaluated step, then per
+    sending step its bytes in TCP's full frames (1514 bytes a 1448-byte segment, a 66-byte acknowledgement for
+    each segment received) over the bandwidth less the compute it travels behind (streaming: 2 steps), and
+    2 (g - 1) latencies over the g workers its collective spans (all but at a hierarchy's lower levels)."""
     sizes = row["step_group_sizes"] or [world_size] * len(row["step_bytes"])
-    total = steps * compute
+    steps_evaluated = [e["step"] for e in row["evaluations"]]
+    total = row["training_s"][steps_evaluated.index(steps)]
+    hidden = row["overlap_steps"] * compute
     for sent, size in zip(row["step_bytes"][:steps], sizes):
         if sent:
-            total += sent / link["bytes_per_second"] + 2 * ((size or world_size) - 1) * link["latency_s"]
+            total += max(0.0, sent * (1514 + 66) / 1448 / link["bytes_per_second"] - hidden)
+            total += 2 * ((size or world_size) - 1) * link["latency_s"]
     return total
 
 

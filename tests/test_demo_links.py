@@ -64,21 +64,27 @@ def test_without_what_links_need_one_line_says_what_is_missing_and_nothing_start
     assert err == "error: --link 20mbit needs iproute2 (tc not found): apt-get install iproute2"
 
 
-def test_the_comparison_is_the_slowest_workers_training_time_beside_the_zero_latency_projection():
-    step_bytes = [0, 0, 1000, 0, 3000, 0]
-    run = {"eval_loss": 0.5, "steps_to_target": 4, "step_bytes": step_bytes, "step_group_sizes": None,
-           "evaluations": [{"step": 2}, {"step": 4}, {"step": 6}]}
-    summary = {"world_size": 2, "algorithms": {"ddp": run},
-               "network_model": {"compute_s_per_step": 0.01, "target_eval_loss": 0.5}}
-    results = {0: {"ddp": {"training_s": [0.1, 0.3, 0.5]}}, 1: {"ddp": {"training_s": [0.2, 0.25, 0.6]}}}
-    row = links.compare(results, summary, links.Rate("8kbit", 8000.0))["ddp"]
-    # 8 kbit/s = 1000 bytes/s, no latency: 6 steps of 10 ms and 4000 bytes; 4 steps and 1000 bytes to the target
-    assert row["projected_s"] == pytest.approx(6 * 0.01 + 4.0) and row["measured_s"] == 0.6
-    assert row["projected_to_target_s"] == pytest.approx(4 * 0.01 + 1.0) and row["measured_to_target_s"] == 0.3
-    assert row["ratio"] == pytest.approx(0.6 / 4.06) and row["ratio_to_target"] == pytest.approx(0.3 / 1.04)
-    assert row["projected_s"] == network.projected_seconds(step_bytes, 6, 0.01, network.Link("8kbit", 1000.0, 0.0), 2)
-    run["steps_to_target"] = None
-    row = links.compare(results, summary, links.Rate("8kbit", 8000.0))["ddp"]
+def test_the_comparison_is_the_shaped_runs_time_beside_the_unshaped_runs_time_plus_its_bytes_at_the_rate():
+    evaluations = [{"step": 2}, {"step": 4}, {"step": 6}]
+    unshaped = {"eval_loss": 0.5, "evaluations": evaluations, "training_s": [0.1, 0.2, 0.3],
+                "step_bytes": [0, 0, 1000, 0, 3000, 0], "step_group_sizes": None, "overlap_steps": 0,
+                "wire_bytes_per_byte": 1.1}
+    baseline = {"world_size": 2, "algorithms": {"ddp": unshaped}, "network_model": {"compute_s_per_step": 0.01}}
+    shaped = {"eval_loss": 0.5, "evaluations": evaluations, "training_s": [0.2, 1.3, 4.6], "steps_to_target": 4}
+    row = links.compare({"algorithms": {"ddp": shaped}}, baseline, links.Rate("8kbit", 8000.0))["ddp"]
+    # 8 kbit/s = 1000 bytes/s, no latency: the unshaped run's 0.3 s and 4400 bytes of frames; to the target (step
+    # 4) its 0.2 s and 1100 bytes; measured: the shaped run's training time at those evaluations
+    assert row["baseline_s"] == 0.3 and row["transfer_s"] == pytest.approx(4.4)
+    assert row["projected_s"] == pytest.approx(0.3 + 4.4) and row["measured_s"] == 4.6
+    assert row["projected_to_target_s"] == pytest.approx(0.2 + 1.1) and row["measured_to_target_s"] == 1.3
+    assert row["ratio"] == pytest.approx(4.6 / 4.7) and row["ratio_to_target"] == pytest.approx(1.3 / 1.3)
+    assert row["wire_bytes_per_byte"] == 1.1 and row["eval_loss"] == 0.5
+    # streaming: 2 steps of 10 ms compute hide 20 ms of each sending step's bytes in the projection, not in transfer_s
+    unshaped["overlap_steps"] = 2
+    row = links.compare({"algorithms": {"ddp": shaped}}, baseline, links.Rate("8kbit", 8000.0))["ddp"]
+    assert row["projected_s"] == pytest.approx(0.3 + 4.4 - 2 * 0.02) and row["transfer_s"] == pytest.approx(4.4)
+    shaped["steps_to_target"] = None
+    row = links.compare({"algorithms": {"ddp": shaped}}, baseline, links.Rate("8kbit", 8000.0))["ddp"]
     assert row["measured_to_target_s"] is row["projected_to_target_s"] is row["ratio_to_target"] is None
 
 
@@ -90,11 +96,16 @@ def test_the_demo_trains_over_shaped_links_and_leaves_no_namespace(tmp_path):
     assert _namespaces(_prefix(done.stdout)) == []
     result = json.loads((tmp_path / "results.json").read_text())
     assert list(result["links"]) == ["20mbit"] and list(result["links"]["20mbit"]) == ["ddp", "diloco"]
-    assert result["config"]["link"] == ["20mbit"]
-    runs = result["runs"]["20mbit"]["algorithms"]
+    assert result["config"]["link"] == ["20mbit"] and list(result["runs"]) == ["unshaped", "20mbit"]
+    runs, unshaped = result["runs"]["20mbit"]["algorithms"], result["runs"]["unshaped"]["algorithms"]
     for algorithm, row in result["links"]["20mbit"].items():
-        assert row["eval_loss"] == runs[algorithm]["eval_loss"] < 2.3  # below a uniform guess's ln 10
-        assert row["projected_s"] > 0 and row["ratio"] == pytest.approx(row["measured_s"] / row["projected_s"])
+        assert row["eval_loss"] == runs[algorithm]["eval_loss"] == unshaped[algorithm]["eval_loss"] < 2.3  # < ln 10
+        assert row["measured_s"] == runs[algorithm]["training_s"][-1]
+        assert row["baseline_s"] == unshaped[algorithm]["training_s"][-1]
+        assert row["projected_s"] > row["baseline_s"]
+        assert row["ratio"] == pytest.approx(row["measured_s"] / row["projected_s"])
+        # measured on the unshaped link: more bytes of frames than of payload (headers, acknowledgements), not twice
+        assert 1.0 < row["wire_bytes_per_byte"] == unshaped[algorithm]["wire_bytes_per_byte"] < 2.0
     # the link is shaped: no worker sent its bytes faster than 20 Mbit/s (on loopback DDP's 24 steps take ~50 ms)
     ddp = result["links"]["20mbit"]["ddp"]
     assert ddp["measured_s"] >= runs["ddp"]["bytes_per_worker_max"] / (20e6 / 8)

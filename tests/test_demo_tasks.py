@@ -77,15 +77,31 @@ def test_compute_time_is_the_mean_of_the_steps_that_sent_nothing():
     assert network.compute_seconds([[None, 0.2, None, 0.4]], [[0, 0, 0, 0]]) == pytest.approx(0.3)
 
 
-def test_the_projection_adds_compute_bytes_over_bandwidth_and_latencies():
+def test_the_projection_adds_the_bytes_frames_and_latencies_to_the_measured_training_time():
     link = network.Link("test", bytes_per_second=100.0, latency_s=0.01)
-    # 3 steps of 0.5 s; step 2 sent 100 bytes (1 s at 100 B/s) and 2 (W - 1) = 4 latencies at W = 3;
-    # step 4's bytes come after the 3 steps asked for
-    assert network.projected_seconds([0, 100, 0, 50], 3, 0.5, link, 3) == pytest.approx(1.5 + 1.0 + 0.04)
+    # evaluated at steps 2 and 4 after 1 s and 3 s of training; step 2 sent 100 bytes, step 4 50, in 1.1 bytes of
+    # frames a byte: 1.1 s and 0.55 s at 100 B/s, and 2 (W - 1) = 4 latencies each at W = 3
+    run = network.Measured([2, 4], [1.0, 3.0], [0, 100, 0, 50], wire_bytes_per_byte=1.1)
+    assert network.projected_seconds(run, 2, link, 3, compute_s=0.5) == pytest.approx(1.0 + 1.1 + 0.04)
+    assert network.projected_seconds(run, 4, link, 3, compute_s=0.5) == pytest.approx(3.0 + 1.1 + 0.55 + 0.08)
     # a hierarchy's pair step: its all-reduce spans 2 of the 4 workers, 2 (2 - 1) = 2 latencies; the whole group's 6
-    assert network.projected_seconds([100, 100], 2, 0.5, link, 4, [2, 4]) == pytest.approx(1.0 + 2.0 + 0.08)
+    pairs = run._replace(group_sizes=[None, 2, None, 4])
+    assert network.projected_seconds(pairs, 4, link, 4, compute_s=0.5) == pytest.approx(3.0 + 1.65 + 0.02 + 0.06)
+    # without a measured framing: TCP's, a 1514-byte frame for 1448 bytes and a 66-byte acknowledgement
+    assert network.Measured([2], [1.0], [0, 1448]).wire_bytes_per_byte == pytest.approx(1580 / 1448)
     assert network.steps_to_reach([(10, 3.0), (20, 2.0), (30, 2.5)], 2.5) == 20
     assert network.steps_to_reach([(10, 3.0)], 2.5) is None
+
+
+def test_streaming_bytes_travel_behind_the_compute_of_the_steps_before_they_are_applied():
+    link = network.Link("test", bytes_per_second=100.0, latency_s=0.0)
+    # 2 steps of 0.3 s compute hide 0.6 s of each sending step's bytes: 1.0 s -> 0.4 s, 0.5 s -> 0, never below
+    run = network.Measured([3], [2.0], [100, 50, 0], overlap_steps=2, wire_bytes_per_byte=1.0)
+    assert network.transfer_seconds(run, 3, link, 2, compute_s=0.3) == pytest.approx(0.4)
+    assert network.projected_seconds(run, 3, link, 2, compute_s=0.3) == pytest.approx(2.4)
+    # the compute unknown (no step sent nothing): nothing hidden; no overlap: nothing hidden either
+    assert network.transfer_seconds(run, 3, link, 2, compute_s=None) == pytest.approx(1.5)
+    assert network.transfer_seconds(run._replace(overlap_steps=0), 3, link, 2, compute_s=0.3) == pytest.approx(1.5)
 
 
 def test_a_short_language_model_run_learns_and_reports(tmp_path):
@@ -112,7 +128,7 @@ def test_a_short_language_model_run_learns_and_reports(tmp_path):
 
 def test_the_loss_within_a_budget_is_the_best_evaluation_projected_in_time():
     link = network.Link("test", bytes_per_second=10.0, latency_s=0.0)
-    step_bytes = [0, 0, 10, 0, 0, 0]  # 1 s of sending at step 3
-    evaluations = [(2, 3.0), (4, 2.0), (6, 1.0)]  # projected at 1 s, 3 s, 4 s (0.5 s a step)
-    assert network.best_loss_within(evaluations, step_bytes, 0.5, link, 2, budget_s=3.5) == 2.0
-    assert network.best_loss_within(evaluations, step_bytes, 0.5, link, 2, budget_s=0.9) is None
+    run = network.Measured([2, 4, 6], [1.0, 2.0, 3.0], [0, 0, 10, 0, 0, 0], wire_bytes_per_byte=1.0)
+    losses = [3.0, 2.0, 1.0]  # projected at 1 s, 3 s, 4 s (1 s of sending at step 3)
+    assert network.best_loss_within(run, losses, link, 2, None, budget_s=3.5) == 2.0
+    assert network.best_loss_within(run, losses, link, 2, None, budget_s=0.9) is None

@@ -195,6 +195,7 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     eval_every = max(1, steps // 15)
     batches = _batches(task, shard, seed, index, 0)
     losses, step_seconds, step_bytes = [None] * steps, [None] * steps, [None] * steps
+    step_clock = [None] * steps  # seconds since the start at the end of each step (the evaluations: a pipe's send)
     last_commit, joined = 0, not restarted
     started = time.perf_counter()
     mark = bytes_written()
@@ -224,6 +225,7 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
         step_seconds[k], losses[k] = time.perf_counter() - step_started, loss.item()
         now = bytes_written()
         step_bytes[k], mark = now - mark, now
+        step_clock[k] = time.perf_counter() - started
         if replica.step % eval_every == 0 or replica.step == steps:
             pipe.send(("eval", index, replica.step, _to_bytes({n: p.detach() for n, p in replica.params.items()})))
     wall = time.perf_counter() - started
@@ -232,8 +234,8 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
         time.sleep(0.01)  # synchronize (the members: the workers alive, and a restarted one once it rejoined)
     manager.shutdown(wait=False)
     return {"losses": losses, "bytes_sent": sum(b for b in step_bytes if b is not None), "wall_s": wall,
-            "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(replica.state()),
-            "failed_syncs": replica.failed, "heals": replica.heals}
+            "step_seconds": step_seconds, "step_bytes": step_bytes, "step_clock": step_clock,
+            "state_bytes": tensor_bytes(replica.state()), "failed_syncs": replica.failed, "heals": replica.heals}
 
 
 def _worker(job: dict[str, Any], index: int | None, lighthouse: str, store_port: int, pipe) -> None:
@@ -362,7 +364,7 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
     results = launcher.results
     for index in range(job["world_size"]):  # a worker killed that never rejoined: nothing measured after its death
         results.setdefault(index, {"losses": [], "bytes_sent": 0, "wall_s": 0.0, "step_seconds": [None] * job["steps"],
-                                   "step_bytes": [0] * job["steps"], "state_bytes": 0, "failed_syncs": 0, "heals": 0})
+                                   "step_bytes": [0] * job["steps"], "step_clock": [None] * job["steps"], "state_bytes": 0, "failed_syncs": 0, "heals": 0})
     for step, by_worker in sorted(launcher.evaluations.items()):
         sent = list(by_worker.values())
         averaged = {name: torch.stack([params[name] for params in sent]).mean(0) for name in sent[0]}
@@ -377,4 +379,5 @@ def run(job: dict[str, Any]) -> dict[int, dict[str, Any]]:
         result["losses"] = [loss for loss in result["losses"] if loss is not None]
         # (a step the killed worker never reported stays unmeasured, None: no duration, out of the compute mean)
         result["step_bytes"] = [b or 0 for b in result["step_bytes"]]
+        result["training_s"] = [result["step_clock"][step - 1] for step, *_ in result["evaluations"]]
     return results

@@ -15,11 +15,15 @@ block: a normal end, an exception, Ctrl-C, SIGTERM or SIGHUP (which it turns int
 others and raises). A SIGKILL of the launcher itself leaves them: ``ip netns list``
 shows them by their prefix.
 
-The comparison (:func:`compare`): per algorithm, the measured training time (the
-slowest worker's wall time with the evaluations left out, which average over the
+Each worker shapes its own egress (:func:`shape`) and, algorithm by algorithm, trains
+once unshaped (:data:`BASELINE`: the same namespaces without a rate) and once per rate,
+so that an algorithm's runs follow each other within seconds and see the same load on a
+shared machine. The comparison (:func:`compare`): per algorithm and rate, the measured
+training time (the slowest worker's, the evaluations left out: they average over the
 same link) of the whole run and up to the evaluation that first reached the first
 algorithm's final held-out loss, beside :func:`puredist.demo.network.projected_seconds`
-for a link of that rate and zero latency, from the same run's bytes and compute time.
+for a link of that rate and zero latency, projected from the unshaped run's training
+time and bytes.
 
 This module must not train: it places the workers and compares what they measured.
 """
@@ -36,14 +40,16 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
 
+import torch.distributed as dist
+
 from puredist.demo import network
 
 SUBNET = "10.77.0"
 """The bridge is ``.1``, worker ``i`` is ``.(i + 2)``, on a /24 inside the run's namespaces only."""
 INTERFACE = "eth0"
 """Each worker's end of its veth pair, inside its namespace (Gloo binds to it)."""
-FRAME_BYTES = 1514
-"""A full Ethernet frame at the veth's 1500-byte MTU: what ``tbf`` counts a packet as."""
+BASELINE = "unshaped"
+"""The name of the runs without a rate, the network model's measurements."""
 CLONE_NEWNET = 0x40000000
 
 
@@ -65,8 +71,9 @@ def parse_rates(text: str) -> list[Rate]:
     rates = []
     for name in dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()):
         match = _RATE.fullmatch(name)
-        if match is None or float(match[1]) * _UNITS[match[2].lower()] < 8 * FRAME_BYTES:
-            raise ValueError(f"expected rates like 20mbit,100mbit (kbit, mbit, gbit; at least {8 * FRAME_BYTES}bit), "
+        if match is None or float(match[1]) * _UNITS[match[2].lower()] < 8 * network.FRAME_BYTES:
+            raise ValueError(f"expected rates like 20mbit,100mbit (kbit, mbit, gbit; at least "
+                             f"{8 * network.FRAME_BYTES}bit), "
                              f"got {name!r}")
         rates.append(Rate(name, float(match[1]) * _UNITS[match[2].lower()]))
     if not rates:
@@ -146,7 +153,7 @@ def _interrupt(signum, frame):
 
 class Network:
     """``world_size`` worker namespaces on one bridge in a hub namespace, for a
-    ``with`` block (see the module's docstring); :meth:`shape` sets the rate.
+    ``with`` block (see the module's docstring); each worker sets its rate (:func:`shape`).
 
     Attributes:
         hub: the hub namespace's name (the bridge, the rendezvous).
@@ -198,84 +205,115 @@ class Network:
             _ip("ip", "-n", name, "addr", "add", f"{SUBNET}.{index + 2}/24", "dev", INTERFACE)
             _ip("ip", "-n", name, "link", "set", INTERFACE, "up")
 
-    def shape(self, rate: Rate) -> None:
-        """Shape every worker's egress to ``rate``: a token bucket of one full frame
-        (no burst above the rate: a link serializes every frame) and a queue of at
-        least 0.1 s at the rate."""
-        limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
-        for name in self.workers:
-            _ip("tc", "-n", name, "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate",
-                f"{int(rate.bits_per_second)}bit", "burst", str(FRAME_BYTES), "limit", str(limit))
+
+def shape(rate: Rate | None) -> None:
+    """Shape this process's namespace's :data:`INTERFACE` egress to ``rate``: a token
+    bucket of one full frame (no burst above the rate: a link serializes every frame)
+    and a queue of at least 0.1 s at the rate; None: a FIFO without a rate."""
+    if rate is None:
+        _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "pfifo")
+        return
+    limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
+    _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate", f"{int(rate.bits_per_second)}bit",
+        "burst", str(network.FRAME_BYTES), "limit", str(limit))
 
 
-def worker_main(config: dict[str, Any]) -> dict[str, Any]:
+def egress_bytes() -> int:
+    """Bytes (Ethernet frames, headers included) the queueing discipline on this
+    namespace's :data:`INTERFACE` has sent since :func:`shape` set it."""
+    shown = subprocess.run(["tc", "-s", "qdisc", "show", "dev", INTERFACE], capture_output=True, text=True,
+                           check=True).stdout
+    return int(re.search(r"Sent (\d+) bytes", shown)[1])
+
+
+def worker_main(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Entry point of each worker with ``--link``: enter this worker's namespace
-    (``config["namespaces"][LOCAL_RANK]``), bind Gloo to its end of the link, train
-    (:func:`puredist.demo.training.worker_main`)."""
-    from puredist.demo.training import worker_main as train
+    (``config["namespaces"][LOCAL_RANK]``), bind Gloo to its end of the link, and train
+    each algorithm unshaped and then at each of ``config["rates"]`` (:func:`shape`, a
+    barrier, :func:`puredist.demo.training.train`); return per algorithm per rate
+    (:data:`BASELINE` first) what it measured, with ``egress_bytes`` and ``sent_bytes``
+    (all its Gloo threads wrote, evaluations included) over the run."""
+    from puredist.demo.training import job_task, process_group, train
+    from puredist.demo.wire import bytes_written
 
     enter(config["namespaces"][int(os.environ["LOCAL_RANK"])])
     os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
-    return train(config)
+    results: dict[str, dict[str, Any]] = {}
+    with process_group(config):
+        task, knobs = job_task(config)
+        for algorithm in config["algorithms"]:
+            for rate in [None, *config["rates"]]:
+                shape(rate)
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    print(f"link {BASELINE if rate is None else rate.name}:", flush=True)
+                egress, sent = egress_bytes(), bytes_written()
+                result = train(task, algorithm, config, knobs)
+                result.update(egress_bytes=egress_bytes() - egress, sent_bytes=bytes_written() - sent)
+                results.setdefault(algorithm, {})[BASELINE if rate is None else rate.name] = result
+    return results
 
 
-def compare(results: dict[int, dict[str, Any]], summary: dict[str, Any], rate: Rate) -> dict[str, dict[str, Any]]:
-    """Per algorithm, measured beside projected at ``rate`` (zero latency):
-    ``eval_loss``; ``measured_s`` and ``projected_s`` of the whole run and ``ratio``
-    (measured / projected); ``steps_to_target`` (the first evaluation at or below the
-    first algorithm's final held-out loss, None if none), ``measured_to_target_s``,
-    ``projected_to_target_s`` and ``ratio_to_target`` there. ``results`` are the
-    workers' (``training_s``: each's training time at each evaluation), ``summary``
-    :func:`puredist.demo.report.summarize`'s of them; a projection is None where the
-    compute time is unknown (no step sent nothing)."""
+def compare(summary: dict[str, Any], baseline: dict[str, Any], rate: Rate) -> dict[str, dict[str, Any]]:
+    """Per algorithm, measured at ``rate`` beside the model's projection for it (zero
+    latency) from the unshaped run: ``eval_loss``; ``wire_bytes_per_byte`` (the
+    unshaped run's frames per byte sent); ``baseline_s`` (the unshaped run's
+    training time), ``measured_s``, ``projected_s`` and ``ratio`` (measured /
+    projected) of the whole run; ``transfer_s`` (the bytes' time at the rate, none
+    hidden: what the run would add waiting for them all); ``steps_to_target`` (the first
+    evaluation at or below the first algorithm's final held-out loss, None if none),
+    ``measured_to_target_s``, ``projected_to_target_s`` and ``ratio_to_target`` there.
+    ``summary`` and ``baseline`` are :func:`puredist.demo.report.summarize`'s of the
+    shaped and the unshaped runs."""
+    from puredist.demo.report import measured
+
     link = network.Link(rate.name, rate.bits_per_second / 8, 0.0)
-    compute = summary["network_model"]["compute_s_per_step"]
-    world_size = summary["world_size"]
+    compute, world_size = baseline["network_model"]["compute_s_per_step"], baseline["world_size"]
     compared = {}
     for algorithm, row in summary["algorithms"].items():
-        clock = [max(times) for times in zip(*(results[rank][algorithm]["training_s"] for rank in sorted(results)))]
-        steps = [evaluation["step"] for evaluation in row["evaluations"]]
-        reached = row["steps_to_target"]
-
-        def project(k: int | None) -> float | None:
-            return None if compute is None or k is None else network.projected_seconds(
-                row["step_bytes"], k, compute, link, world_size, row["step_group_sizes"])
-
-        measured, projected = clock[-1], project(len(row["step_bytes"]))
+        base = measured(baseline["algorithms"][algorithm])
+        clock, steps, reached = row["training_s"], [e["step"] for e in row["evaluations"]], row["steps_to_target"]
+        last = steps[-1]
+        projected = network.projected_seconds(base, last, link, world_size, compute)
         to_target = None if reached is None else clock[steps.index(reached)]
-        projected_to_target = project(reached)
+        projected_to_target = None if reached is None else network.projected_seconds(base, reached, link, world_size,
+                                                                                       compute)
         compared[algorithm] = {
-            "eval_loss": row["eval_loss"], "measured_s": measured, "projected_s": projected,
-            "ratio": None if projected is None else measured / projected,
+            "eval_loss": row["eval_loss"], "wire_bytes_per_byte": base.wire_bytes_per_byte,
+            "baseline_s": base.training_s[-1], "measured_s": clock[-1], "projected_s": projected,
+            "ratio": clock[-1] / projected,
+            "transfer_s": network.transfer_seconds(base, last, link, world_size, None),
             "steps_to_target": reached, "measured_to_target_s": to_target, "projected_to_target_s": projected_to_target,
-            "ratio_to_target": None if to_target is None or projected_to_target is None else to_target / projected_to_target,
+            "ratio_to_target": None if to_target is None else to_target / projected_to_target,
         }
     return compared
 
 
 def measure(args, launch: Callable[..., dict], config: dict[str, Any]) -> dict[str, Any]:
-    """Run the job once per rate of ``args.link`` (``launch(args, host=...,
-    entrypoint=..., namespaces=...)`` starts the workers and returns their results),
-    printing each rate's measured table; return what ``results.json`` holds: per rate
-    the comparison (``"links"``, :func:`compare`) and the full summary (``"runs"``)."""
+    """Run the job once over the links (``launch(args, host=..., entrypoint=...,
+    namespaces=..., rates=...)`` starts the workers and returns their results, per rank
+    per algorithm per rate, :func:`worker_main`'s), printing each rate's measured
+    table; return what ``results.json`` holds: per rate the comparison (``"links"``,
+    :func:`compare`) and per rate, the unshaped included, the full summary
+    (``"runs"``)."""
     from puredist.demo.report import summarize, table
     from puredist.demo.training import TASKS
 
     task = TASKS[args.task]
-    links, runs = {}, {}
     with Network(args.world_size) as net:
         print(f"  network namespaces {net.workers[0]}..{net.workers[-1].rsplit('-', 1)[1]}, bridge {net.address} "
               f"in {net.hub}", flush=True)
-        for rate in args.link:
-            net.shape(rate)
-            print(f"link {rate.name} (each worker's egress):", flush=True)
-            with inside(net.hub):
-                results = launch(args, host=net.address, entrypoint=worker_main, namespaces=net.workers)
-            runs[rate.name] = summarize(results, task.name, task.title, config)
-            links[rate.name] = compare(results, runs[rate.name], rate)
-            print(table(runs[rate.name]), flush=True)
+        with inside(net.hub):
+            results = launch(args, host=net.address, entrypoint=worker_main, namespaces=net.workers, rates=args.link)
+    by_rate = {name: {rank: {a: runs[name] for a, runs in by_algorithm.items()}
+                      for rank, by_algorithm in results.items()}
+               for name in [BASELINE, *(rate.name for rate in args.link)]}
+    runs = {name: summarize(rate_results, task.name, task.title, config) for name, rate_results in by_rate.items()}
+    for name, summary in runs.items():
+        print(f"link {name} (each worker's egress):\n{table(summary)}", flush=True)
     return {"config": config, "task": task.name, "title": task.title, "world_size": args.world_size,
-            "links": links, "runs": runs}
+            "links": {rate.name: compare(runs[rate.name], runs[BASELINE], rate) for rate in args.link},
+            "runs": runs}
 
 
 def _seconds(value: float | None) -> str:
@@ -293,19 +331,26 @@ def links_table(result: dict[str, Any]) -> str:
     target_from = first_run["network_model"]["target_from"]
     lines = [
         "MEASURED over real links (each worker's egress shaped by tbf; training time, evaluations left out) "
-        "beside PROJECTED (network model, zero latency):",
-        f"{'rate':>8s} {'algorithm':14s} {'loss':>6s} | {'whole run':>9s} {'projected':>9s} {'ratio':>6s} | "
-        f"to {target_from}'s final loss: {'step':>4s} {'measured':>9s} {'projected':>9s} {'ratio':>6s}",
+        f"beside PROJECTED (network model, zero latency: the {BASELINE} run's time plus its bytes' frames at the "
+        "rate):",
+        f"{'rate':>8s} {'algorithm':14s} {'loss':>6s} {'frames':>6s} | {BASELINE:>8s} {'bytes at':>8s} {'measured':>9s} "
+        f"{'projected':>9s} {'ratio':>6s} | to {target_from}'s final loss: {'step':>4s} {'measured':>9s} "
+        f"{'projected':>9s} {'ratio':>6s}",
     ]
     for rate, rows in result["links"].items():
         for algorithm, row in rows.items():
             step = "-" if row["steps_to_target"] is None else str(row["steps_to_target"])
             lines.append(
-                f"{rate:>8s} {algorithm:14s} {row['eval_loss']:6.3f} | {_seconds(row['measured_s']):>9s} "
+                f"{rate:>8s} {algorithm:14s} {row['eval_loss']:6.3f} {row['wire_bytes_per_byte']:6.3f} | "
+                f"{_seconds(row['baseline_s']):>8s} "
+                f"{_seconds(row['transfer_s']):>8s} {_seconds(row['measured_s']):>9s} "
                 f"{_seconds(row['projected_s']):>9s} {_ratio(row['ratio']):>6s} | {'':{len(target_from) + 15}s} "
                 f"{step:>4s} {_seconds(row['measured_to_target_s']):>9s} {_seconds(row['projected_to_target_s']):>9s} "
                 f"{_ratio(row['ratio_to_target']):>6s}"
             )
+    lines.append("(frames: bytes on the wire per byte sent, measured unshaped; bytes at: their time at the rate, "
+                 "none hidden: the projection hides streaming's behind the compute of the steps before its fragment "
+                 "is applied)")
     for rate, rows in result["links"].items():
         reached = sorted((row["measured_to_target_s"], name) for name, row in rows.items()
                          if row["measured_to_target_s"] is not None)

@@ -20,8 +20,10 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
     Per algorithm (``"algorithms"``): the averaged model's held-out loss and accuracy
     as evaluated at the end (``eval_loss``, ``eval_accuracy``), the slowest rank's wall
     time, bytes sent per worker (mean and largest), the optimizer state a worker holds
-    (largest), rank 0's curves, the slowest worker's bytes per step, for a
-    fault-tolerant run its ``faults`` (``killed``: worker and step; ``rejoined``: worker
+    (largest), rank 0's curves, the slowest worker's bytes per step and training time
+    at each evaluation (``training_s``), what the network model reads of the run
+    (``step_group_sizes``, ``overlap_steps``, and ``wire_bytes_per_byte`` over real
+    links: None elsewhere), for a fault-tolerant run its ``faults`` (``killed``: worker and step; ``rejoined``: worker
     and step, None if it did not; ``recovery_s``; ``steps_lost``) and ``failed_syncs``
     (the most any worker had), and the network
     model's projection (``steps_to_target``, ``projected_s`` per link: None where the
@@ -51,6 +53,13 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
             ],
             "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
             "step_group_sizes": per_rank[0].get("step_group_sizes"),  # (None: every collective over all workers)
+            "overlap_steps": per_rank[0].get("overlap_steps", 0),
+            # over real links (``demo --link``): the frames its egress sent per byte its Gloo threads wrote
+            "wire_bytes_per_byte": (sum(r["egress_bytes"] for r in per_rank) / sum(r["sent_bytes"] for r in per_rank)
+                                    if "egress_bytes" in per_rank[0] else None),
+            # the slowest worker's training time at each evaluation (None: a worker that was not running then)
+            "training_s": [max(t for t in times if t is not None)
+                           for times in zip(*(r["training_s"] for r in per_rank))],
         }
         if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
             runs[algorithm]["faults"] = per_rank[0]["faults"]
@@ -59,29 +68,23 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
         [r[a]["step_seconds"] for r in results.values() for a in r], [r[a]["step_bytes"] for r in results.values() for a in r]
     )
     target = next(iter(runs.values()))["eval_loss"]
-    known = compute_s is not None
     budgets = {  # the shortest whole run on each link: every run's measurements cover it
-        link.name: min(
-            network.projected_seconds(run["step_bytes"], len(run["step_bytes"]), compute_s, link, world_size,
-                                      run["step_group_sizes"])
-            for run in runs.values()
-        )
-        for link in network.LINKS if known
+        link.name: min(network.projected_seconds(measured(run), len(run["step_bytes"]), link, world_size, compute_s)
+                       for run in runs.values())
+        for link in network.LINKS
     }
     for run in runs.values():
         curve = [(e["step"], e["loss"]) for e in run["evaluations"]]
         reached = network.steps_to_reach(curve, target)
         run["steps_to_target"] = reached
         run["projected_s"] = {
-            link.name: network.projected_seconds(run["step_bytes"], reached, compute_s, link, world_size,
-                                                 run["step_group_sizes"])
-            if known and reached is not None else None
+            link.name: None if reached is None else network.projected_seconds(measured(run), reached, link, world_size,
+                                                                              compute_s)
             for link in network.LINKS
         }
         run["projected_loss_within_budget"] = {
-            link.name: network.best_loss_within(curve, run["step_bytes"], compute_s, link, world_size, budgets[link.name],
-                                                run["step_group_sizes"])
-            if known else None
+            link.name: network.best_loss_within(measured(run), [loss for _, loss in curve], link, world_size, compute_s,
+                                                budgets[link.name])
             for link in network.LINKS
         }
     return {
@@ -99,6 +102,13 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
             "links": [link._asdict() for link in network.LINKS],
         },
     }
+
+
+def measured(run: dict[str, Any]) -> network.Measured:
+    """What the network model reads of one algorithm's summary (:func:`summarize`'s)."""
+    return network.Measured([e["step"] for e in run["evaluations"]], run["training_s"], run["step_bytes"],
+                            run["step_group_sizes"], run["overlap_steps"],
+                            run["wire_bytes_per_byte"] or network.WIRE_BYTES_PER_BYTE)
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -171,13 +181,14 @@ def projection_table(summary: dict[str, Any]) -> str:
     algorithm and link: the time to reach the target loss, and the loss reached within
     the link's time budget; the best per link marked ``*``, ``-`` where there is none."""
     model = summary["network_model"]
-    if model["compute_s_per_step"] is None:
-        return "projected time: no step ran without communication, so compute time per step is unknown"
     runs, links = summary["algorithms"], [link["name"] for link in model["links"]]
     header = " ".join(f"{link:>12s}" for link in links)
+    compute = model["compute_s_per_step"]
+    hidden = ("" if compute is None else
+              f", less the {1000 * compute:.1f} ms compute a step that a streaming fragment travels behind")
     return "\n".join([
-        f"PROJECTED (network model, not measured): {1000 * model['compute_s_per_step']:.1f} ms compute per step "
-        f"(measured here) plus each step's measured bytes and 2(g-1) latencies over the link (g: the workers its "
+        "PROJECTED (network model, not measured): each run's training time measured here plus, on each step that "
+        f"sent bytes, their Ethernet frames over the link{hidden}, and 2(g-1) latencies (g: the workers its "
         "collective spans)",
         f"time to reach held-out loss {model['target_eval_loss']:.3f} ({model['target_from']}'s final):",
         f"{'algorithm':14s} {'step':>6s} " + header,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -127,6 +128,10 @@ def _setup_functional(averager: puredist.Averager | puredist.OuterTransform, col
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
         optimizer = getattr(puredist, task.optimizer)(**task.optimizer_options)
         state = {"optimizer": optimizer.init(params), "averager": averager.init(params)}
+
+        # torch.func's first transform in a process costs seconds of one-time set-up (1.6 s here, in the first
+        # step of the first functional run): paid here, before the timed steps
+        grad_and_value(lambda x: x.sum())(torch.zeros(1))
 
         def loss_fn(p, inputs, targets):
             return cross_entropy(functional_call(model, p, (inputs,)), targets)
@@ -224,6 +229,9 @@ def train(task: Task, algorithm: str, config: dict[str, Any], knobs: Knobs = Kno
     result = {"losses": losses, "evaluations": evaluations, "bytes_sent": sum(step_bytes), "wall_s": wall,
               "training_s": training_s,
               "step_seconds": step_seconds, "step_bytes": step_bytes, "state_bytes": tensor_bytes(optimizer_state())}
+    # for the network model: the steps of compute a synchronization's bytes can travel behind (streaming
+    # DiLoCo applies a fragment STREAMING_DELAY steps after it starts; the others wait for their bytes)
+    result["overlap_steps"] = STREAMING_DELAY if algorithm == "streaming" else 0
     if algorithm == "hierarchical":  # for the network model: a pair step's all-reduce spans 2 workers, not all
         result["step_group_sizes"] = hierarchical_group_sizes(hierarchy_for(world_size, task.period), task.warmup_steps,
                                                               steps)
@@ -238,16 +246,26 @@ def hierarchical_group_sizes(hierarchy: dict[int, int], warmup_steps: int, steps
     return [None if level(k - 1) is None else sizes[level(k - 1)] for k in range(1, steps + 1)]
 
 
-def worker_main(config: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of each worker process (started by torch's elastic launcher)."""
+@contextmanager
+def process_group(config: dict[str, Any]):
+    """This worker's process group for the ``with`` block (one thread for torch; on
+    ``cuda`` a GPU per worker with NCCL, else every worker on GPU 0); a barrier at the
+    end of a block that ran through (an interrupted peer never comes to it), then the
+    group is destroyed however the block ends."""
     torch.set_num_threads(1)
-    if config.get("device") == "cuda":  # a GPU per worker with NCCL, else every worker on GPU 0
+    if config.get("device") == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if "nccl" in config["backend"] else 0)
     dist.init_process_group(config.get("backend", "gloo"))
     try:
-        task, knobs = job_task(config)
-        results = {algorithm: train(task, algorithm, config, knobs) for algorithm in config["algorithms"]}
-        dist.barrier()  # only on success: an interrupted peer never comes to it
-        return results
+        yield
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def worker_main(config: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of each worker process (started by torch's elastic launcher)."""
+    with process_group(config):
+        task, knobs = job_task(config)
+        results = {algorithm: train(task, algorithm, config, knobs) for algorithm in config["algorithms"]}
+    return results
