@@ -258,26 +258,30 @@ def _most_workers(available: int) -> int:
     return max(1, min(8 * (os.cpu_count() or 1), available // WORKER_MEMORY_BYTES))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.output = args.output or Path("out/demo" if args.task == "digits" else f"out/demo-{args.task}")
+def _machine_problem(args: argparse.Namespace) -> str | None:
+    """What this machine lacks for the job ``args`` asks for (the demo's extras, memory
+    for ``--world-size`` workers, a writable ``--output``), or ``None``."""
     missing = _missing_extras()
     if missing:
-        print(f"error: the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'", file=sys.stderr)
-        return 2
+        return f"the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'"
     available = _available_memory()
     most = _most_workers(available)
     if args.world_size > most:
-        print(
-            f"error: --world-size {args.world_size} is more worker processes than this machine holds "
-            f"({os.cpu_count()} cores, {available / 2**30:.0f} GiB "
-            f"available, ~{WORKER_MEMORY_BYTES // 2**20} MiB a worker): at most {most} here",
-            file=sys.stderr,
-        )
-        return 2
+        return (f"--world-size {args.world_size} is more worker processes than this machine holds "
+                f"({os.cpu_count()} cores, {available / 2**30:.0f} GiB "
+                f"available, ~{WORKER_MEMORY_BYTES // 2**20} MiB a worker): at most {most} here")
     problem = _writable_folder(args.output)
     if problem is not None:
-        print(f"error: --output {str(args.output)!r} is not a writable folder: {problem}", file=sys.stderr)
+        return f"--output {str(args.output)!r} is not a writable folder: {problem}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.output = args.output or Path("out/demo" if args.task == "digits" else f"out/demo-{args.task}")
+    problem = _machine_problem(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

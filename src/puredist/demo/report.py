@@ -34,40 +34,68 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
     world size, device, hyper-parameters, versions).
     """
     world_size = len(results)
-    runs = {}
-    for algorithm in results[0]:
-        per_rank = [results[rank][algorithm] for rank in sorted(results)]
-        _, accuracy, loss, _ = per_rank[0]["evaluations"][-1]
-        runs[algorithm] = {
-            "eval_loss": loss,
-            "eval_accuracy": accuracy,
-            "wall_s": max(r["wall_s"] for r in per_rank),
-            "bytes_per_worker": sum(r["bytes_sent"] for r in per_rank) / world_size,
-            "bytes_per_worker_max": max(r["bytes_sent"] for r in per_rank),
-            "state_bytes_max": max(r["state_bytes"] for r in per_rank),
-            "train_losses": per_rank[0]["losses"],
-            "evaluations": [
-                {"step": step, "accuracy": acc, "loss": loss,
-                 "bytes_per_worker": sum(r["evaluations"][k][3] for r in per_rank) / world_size}
-                for k, (step, acc, loss, _) in enumerate(per_rank[0]["evaluations"])
-            ],
-            "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
-            "step_group_sizes": per_rank[0].get("step_group_sizes"),  # (None: every collective over all workers)
-            "overlap_steps": per_rank[0].get("overlap_steps", 0),
-            # over real links (``demo --link``): the frames its egress sent per byte its Gloo threads wrote
-            "wire_bytes_per_byte": (sum(r["egress_bytes"] for r in per_rank) / sum(r["sent_bytes"] for r in per_rank)
-                                    if "egress_bytes" in per_rank[0] else None),
-            # the slowest worker's training time at each evaluation (None: a worker that was not running then)
-            "training_s": [max(t for t in times if t is not None)
-                           for times in zip(*(r["training_s"] for r in per_rank))],
-        }
-        if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
-            runs[algorithm]["faults"] = per_rank[0]["faults"]
-            runs[algorithm]["failed_syncs"] = max(r["failed_syncs"] for r in per_rank)
+    runs = {algorithm: _run_record([results[rank][algorithm] for rank in sorted(results)])
+            for algorithm in results[0]}
     compute_s = network.compute_seconds(
         [r[a]["step_seconds"] for r in results.values() for a in r], [r[a]["step_bytes"] for r in results.values() for a in r]
     )
     target = next(iter(runs.values()))["eval_loss"]
+    budgets = _project(runs, target, world_size, compute_s)
+    return {
+        "config": config or {},
+        "task": task,
+        "title": title,
+        "world_size": world_size,
+        "algorithms": runs,
+        "network_model": {
+            "projected_not_measured": True,
+            "target_eval_loss": target,
+            "target_from": next(iter(runs)),
+            "compute_s_per_step": compute_s,
+            "budget_s": budgets,
+            "links": [link._asdict() for link in network.LINKS],
+        },
+    }
+
+
+def _run_record(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One algorithm's entry of :func:`summarize` from each rank's record (rank order),
+    before the network model's projections."""
+    world_size = len(per_rank)
+    _, accuracy, loss, _ = per_rank[0]["evaluations"][-1]
+    run = {
+        "eval_loss": loss,
+        "eval_accuracy": accuracy,
+        "wall_s": max(r["wall_s"] for r in per_rank),
+        "bytes_per_worker": sum(r["bytes_sent"] for r in per_rank) / world_size,
+        "bytes_per_worker_max": max(r["bytes_sent"] for r in per_rank),
+        "state_bytes_max": max(r["state_bytes"] for r in per_rank),
+        "train_losses": per_rank[0]["losses"],
+        "evaluations": [
+            {"step": step, "accuracy": acc, "loss": loss,
+             "bytes_per_worker": sum(r["evaluations"][k][3] for r in per_rank) / world_size}
+            for k, (step, acc, loss, _) in enumerate(per_rank[0]["evaluations"])
+        ],
+        "step_bytes": [max(sent) for sent in zip(*(r["step_bytes"] for r in per_rank))],
+        "step_group_sizes": per_rank[0].get("step_group_sizes"),  # (None: every collective over all workers)
+        "overlap_steps": per_rank[0].get("overlap_steps", 0),
+        # over real links (``demo --link``): the frames its egress sent per byte its Gloo threads wrote
+        "wire_bytes_per_byte": (sum(r["egress_bytes"] for r in per_rank) / sum(r["sent_bytes"] for r in per_rank)
+                                if "egress_bytes" in per_rank[0] else None),
+        # the slowest worker's training time at each evaluation (None: a worker that was not running then)
+        "training_s": [max(t for t in times if t is not None)
+                       for times in zip(*(r["training_s"] for r in per_rank))],
+    }
+    if "faults" in per_rank[0]:  # a fault-tolerant run: the same record on every rank
+        run["faults"] = per_rank[0]["faults"]
+        run["failed_syncs"] = max(r["failed_syncs"] for r in per_rank)
+    return run
+
+
+def _project(runs: dict[str, dict[str, Any]], target: float, world_size: int, compute_s: float) -> dict[str, float]:
+    """Add the network model's projections to each run of ``runs`` (``steps_to_target``,
+    ``projected_s``, ``projected_loss_within_budget``, per link); returns the budget
+    per link: the shortest whole run's projected time."""
     budgets = {  # the shortest whole run on each link: every run's measurements cover it
         link.name: min(network.projected_seconds(measured(run), len(run["step_bytes"]), link, world_size, compute_s)
                        for run in runs.values())
@@ -87,21 +115,7 @@ def summarize(results: dict[int, dict[str, Any]], task: str, title: str, config:
                                                 budgets[link.name])
             for link in network.LINKS
         }
-    return {
-        "config": config or {},
-        "task": task,
-        "title": title,
-        "world_size": world_size,
-        "algorithms": runs,
-        "network_model": {
-            "projected_not_measured": True,
-            "target_eval_loss": target,
-            "target_from": next(iter(runs)),
-            "compute_s_per_step": compute_s,
-            "budget_s": budgets,
-            "links": [link._asdict() for link in network.LINKS],
-        },
-    }
+    return budgets
 
 
 def measured(run: dict[str, Any]) -> network.Measured:
