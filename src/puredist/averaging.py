@@ -25,6 +25,8 @@ import torch
 from puredist._inputs import checked, checked_for_reduction
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
+    LEVELS,
+    check,
     check_hierarchy_group_sizes,
     check_hierarchy_periods,
     warn_if_max_period_is_one,
@@ -272,8 +274,7 @@ def hierarchical_averager_warning_at(
     """:func:`hierarchical_averager`, its warning attributed as
     :func:`periodic_averager_warning_at`'s (the warning comes before the warm-up's
     check, as torch's)."""
-    if not isinstance(period_group_sizes, Mapping):
-        raise TypeError(f"Arg ``period_group_sizes`` must be a mapping {{period: group_size}}, got {period_group_sizes!r}.")
+    check("period_group_sizes", period_group_sizes, LEVELS)
     periods = tuple(period_group_sizes)
     check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())

@@ -51,6 +51,7 @@ from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 from puredist._bound import bound
 from puredist._docs import fields_documented
+from puredist._validation import BELOW, INSTANCE, check
 
 
 @fields_documented
@@ -143,8 +144,7 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
     if rank is None:
         SimulatedCollective(plan.world_size).check_stacked(leaves, arg="params")
         return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
-        raise ValueError(f"Arg ``rank`` must be an int in [0, {plan.world_size}) (or None, simulated), got {rank!r}.")
+    check("rank", rank, BELOW, stop=plan.world_size, where=" (or None, simulated)")
     owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
     return ZeroState(step=0, plan=plan, owned=owned)
 
@@ -352,8 +352,7 @@ def zero(optimizer: Optimizer) -> Zero:
     Raises:
         TypeError: ``optimizer`` is not a functional optimizer.
     """
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"Arg ``optimizer`` must be a puredist optimizer (e.g. adam(1e-3)), got {optimizer!r}.")
+    check("optimizer", optimizer, INSTANCE, kind=Optimizer, a="a puredist optimizer (e.g. adam(1e-3))")
     return Zero(
         init=bound(init, optimizer),
         update=bound(update, optimizer),
