@@ -101,6 +101,8 @@ COMPUTE_DTYPE = Rule(  # or None; a float8 has no arithmetic (``excluded``)
 BETAS = Rule(lambda v, b: isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_is_beta, v)), ValueError,
              "Arg ``{arg}`` must be two numbers in [0, 1), got {value!r}.")
 NOT_EMPTY = Rule(lambda v, b: len(v) > 0, ValueError, "Arg ``{arg}`` must not be empty.")
+POSITIVE_INTS = Rule(lambda v, b: all(_is_int(s) and s >= 1 for s in v), ValueError,
+                     "Arg ``{arg}`` must hold positive ints, got {value!r}.")
 NON_NEGATIVE_INTS = Rule(lambda v, b: all(is_integral(s) and s >= 0 for s in v), ValueError,
                          "Arg ``{arg}`` must be non-negative ints, got {value!r}.")
 LENGTH = Rule(lambda v, b: len(v) == b["length"], ValueError, "Arg ``{arg}`` must have {length} entries, got {value!r}.")
