@@ -138,9 +138,7 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
     ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
     (``params`` stacked ``[plan.world_size, *shape]``)."""
     leaves, _ = tree_flatten(params)
-    if len(plan.owners) != len(leaves):
-        raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
-    plan.check()
+    plan.check(parameters=len(leaves))
     if rank is None:
         SimulatedCollective(plan.world_size).check_stacked(leaves, arg="params")
         return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
@@ -203,9 +201,7 @@ def _checked(params, grads, state: ZeroState, collective):
         grad_leaves = spec.flatten_up_to(grads)
     except ValueError as error:
         raise ValueError(f"Arg ``grads`` must have the structure of ``params`` (None for no gradient): {error}") from None
-    if len(state.plan.owners) != len(leaves):
-        raise ValueError(f"The state's plan covers {len(state.plan.owners)} parameters, ``params`` has {len(leaves)}.")
-    state.plan.check("The state's plan")
+    state.plan.check("The state's plan", parameters=len(leaves))
     if state.plan.world_size != collective.world_size:
         raise ValueError(
             f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
