@@ -33,6 +33,7 @@ from puredist._validation import (
     warn_if_period_is_one,
 )
 from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refusing
+from puredist.collectives.base import check_group_sizes
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
@@ -291,13 +292,7 @@ def hierarchical_averager_warning_at(
         check_hierarchy_group_sizes(
             group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective"
         )
-        missing = [g for g in group_sizes if g not in collective.group_sizes]
-        if missing:
-            raise ValueError(
-                f"The collective cannot average within groups of sizes {missing} from arg "
-                f"``period_group_sizes``; it supports {collective.group_sizes} (build it "
-                "with DistributedCollective.with_subgroups)."
-            )
+        check_group_sizes(collective, group_sizes, arg="period_group_sizes")
 
     return _scheduled_averager(
         decide, check_collective, f"hierarchical_averager({dict(period_group_sizes)}, warmup_steps={warmup_steps})"

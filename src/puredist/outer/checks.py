@@ -19,6 +19,7 @@ import torch.distributed as dist
 from puredist._inputs import is_transformed
 from puredist._validation import NON_NEGATIVE_INT, check, check_same_shapes
 from puredist.collectives import Collective
+from puredist.collectives.base import check_group_sizes
 from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments
@@ -90,12 +91,7 @@ def _vmap_hint(leaves: Sequence[torch.Tensor], globals_: Sequence[torch.Tensor],
 def check_collective(config: OuterConfig, collective: Collective) -> None:
     """Raise ``ValueError`` where ``collective`` cannot average within the group sizes
     of ``config.lower_levels``."""
-    missing = [g for g in config.lower_sizes if g not in collective.group_sizes]
-    if collective.is_member and missing:
-        raise ValueError(
-            f"The collective cannot average within groups of sizes {missing} from arg "
-            f"``lower_levels``; it supports {collective.group_sizes}."
-        )
+    check_group_sizes(collective, config.lower_sizes, arg="lower_levels")
 
 
 def check_initial_copy(config: OuterConfig, state: OuterState, collective: Collective) -> None:
