@@ -191,11 +191,8 @@ class _Context(NamedTuple):
 
 
 def _checked(params, grads, state: ZeroState, collective):
-    if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
-        raise TypeError(
-            f"Arg ``collective`` of a ZeRO step in place must be a DistributedCollective or a SimulatedCollective, "
-            f"got {type(collective).__name__}: under vmap use the pure update."
-        )
+    check("collective", collective, INSTANCE, kind=(DistributedCollective, SimulatedCollective),
+          a="a DistributedCollective or a SimulatedCollective for a ZeRO step in place (under vmap: the pure update)")
     leaves, spec = tree_flatten(params)
     try:
         grad_leaves = spec.flatten_up_to(grads)
