@@ -19,6 +19,7 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Sequence
 
 _PERIOD_ONE_WARNING = (
@@ -85,13 +86,23 @@ NON_NEGATIVE = Rule(lambda v, b: _is_number(v) and v >= 0, ValueError,  # (NaN f
 NON_NEGATIVE_INT = Rule(lambda v, b: _is_int(v) and v >= 0, ValueError,
                         "Arg ``{arg}`` must be a non-negative int, got {value!r}.")
 AT_LEAST_ONE = Rule(lambda v, b: _is_int(v) and v >= 1, ValueError, "Arg ``{arg}`` must be an int >= 1, got {value!r}.")
-BELOW = Rule(lambda v, b: 0 <= v < b["stop"], ValueError, "Arg ``{arg}`` must be in [0, {stop}), got {value!r}.")
+BELOW = Rule(lambda v, b: _is_int(v) and 0 <= v < b["stop"], ValueError,
+             "Arg ``{arg}`` must be an int in [0, {stop}){where}, got {value!r}.")
+RANGE = Rule(lambda v, b: _is_int(v) and b["low"] <= v <= b["high"], ValueError,
+             "Arg ``{arg}`` must be an int in [{low}, {high}]{where}, got {value!r}.")
 ONE_OF = Rule(lambda v, b: v in b["choices"], ValueError, "Arg ``{arg}`` must be one of {choices}, got {value!r}.")
-INSTANCE = Rule(lambda v, b: isinstance(v, b["kind"]), TypeError,
-                "Arg ``{arg}`` must be a {kind.__module__}.{kind.__name__}, got {value!r}.")
+INSTANCE = Rule(lambda v, b: isinstance(v, b["kind"]), TypeError, "Arg ``{arg}`` must be {a}, got {value!r}.")
+LEVELS = Rule(lambda v, b: isinstance(v, Mapping), TypeError,
+              "Arg ``{arg}`` must be a mapping {{period: group_size}}, got {value!r}.")
+COMPUTE_DTYPE = Rule(  # or None; a float8 has no arithmetic (``excluded``)
+    lambda v, b: v is None or getattr(v, "is_floating_point", False) is True and v not in b["excluded"], TypeError,
+    "Arg ``{arg}`` must be a floating-point torch.dtype other than float8 (which has no arithmetic) or None, "
+    "got {value!r}.")
 BETAS = Rule(lambda v, b: isinstance(v, (tuple, list)) and len(v) == 2 and all(map(_is_beta, v)), ValueError,
              "Arg ``{arg}`` must be two numbers in [0, 1), got {value!r}.")
 NOT_EMPTY = Rule(lambda v, b: len(v) > 0, ValueError, "Arg ``{arg}`` must not be empty.")
+POSITIVE_INTS = Rule(lambda v, b: all(_is_int(s) and s >= 1 for s in v), ValueError,
+                     "Arg ``{arg}`` must hold positive ints, got {value!r}.")
 NON_NEGATIVE_INTS = Rule(lambda v, b: all(is_integral(s) and s >= 0 for s in v), ValueError,
                          "Arg ``{arg}`` must be non-negative ints, got {value!r}.")
 LENGTH = Rule(lambda v, b: len(v) == b["length"], ValueError, "Arg ``{arg}`` must have {length} entries, got {value!r}.")
@@ -121,9 +132,11 @@ COUNT = (INT, NON_NEGATIVE)
 
 def check(arg: str, value: Any, *rules: Rule, **bounds: Any) -> None:
     """Raise for the first of ``rules`` that ``value`` (the argument named ``arg``)
-    breaks, with its message; ``bounds``: what the rules compare with."""
+    breaks, with its message; ``bounds``: what the rules compare with, and ``where``
+    (optional): what a range's message adds after the range (what bounds it)."""
     for rule in rules:
         if not rule.holds(value, bounds):
+            bounds = {"where": "", **bounds}
             raise rule.error(rule.message.format(arg=arg, value=value, type=type(value).__name__, **bounds))
 
 

@@ -25,12 +25,15 @@ import torch
 from puredist._inputs import checked, checked_for_reduction
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
+    LEVELS,
+    check,
     check_hierarchy_group_sizes,
     check_hierarchy_periods,
     warn_if_max_period_is_one,
     warn_if_period_is_one,
 )
 from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refusing
+from puredist.collectives.base import check_group_sizes
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
@@ -272,8 +275,7 @@ def hierarchical_averager_warning_at(
     """:func:`hierarchical_averager`, its warning attributed as
     :func:`periodic_averager_warning_at`'s (the warning comes before the warm-up's
     check, as torch's)."""
-    if not isinstance(period_group_sizes, Mapping):
-        raise TypeError(f"Arg ``period_group_sizes`` must be a mapping {{period: group_size}}, got {period_group_sizes!r}.")
+    check("period_group_sizes", period_group_sizes, LEVELS)
     periods = tuple(period_group_sizes)
     check_hierarchy_periods(periods, arg="period_group_sizes")
     group_sizes = tuple(period_group_sizes.values())
@@ -290,13 +292,7 @@ def hierarchical_averager_warning_at(
         check_hierarchy_group_sizes(
             group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective"
         )
-        missing = [g for g in group_sizes if g not in collective.group_sizes]
-        if missing:
-            raise ValueError(
-                f"The collective cannot average within groups of sizes {missing} from arg "
-                f"``period_group_sizes``; it supports {collective.group_sizes} (build it "
-                "with DistributedCollective.with_subgroups)."
-            )
+        check_group_sizes(collective, group_sizes, arg="period_group_sizes")
 
     return _scheduled_averager(
         decide, check_collective, f"hierarchical_averager({dict(period_group_sizes)}, warmup_steps={warmup_steps})"

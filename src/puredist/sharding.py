@@ -81,9 +81,12 @@ class ZeroPlan(NamedTuple):
         step, and per bucket in DDP's backward)."""
         return _by_owner(tuple(self.owners), self.world_size, tuple(indices))
 
-    def check(self, what: str = "Arg ``plan``") -> None:
-        """Raise ``ValueError`` (its message starting with ``what``) unless every owner
-        is a rank in ``[0, world_size)``."""
+    def check(self, what: str = "Arg ``plan``", *, parameters: int | None = None) -> None:
+        """Raise ``ValueError`` (its message starting with ``what``) unless the plan
+        covers ``parameters`` (``None``: any number) and every owner is a rank in
+        ``[0, world_size)``."""
+        if parameters is not None and len(self.owners) != parameters:
+            raise ValueError(f"{what} covers {len(self.owners)} parameters, ``params`` has {parameters}.")
         outside = _outside(self.world_size, tuple(self.owners))
         if outside:
             found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])

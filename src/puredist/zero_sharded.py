@@ -51,6 +51,7 @@ from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 from puredist._bound import bound
 from puredist._docs import fields_documented
+from puredist._validation import BELOW, INSTANCE, check
 
 
 @fields_documented
@@ -137,14 +138,11 @@ def init(optimizer: Optimizer, params: PyTree, *, plan: ZeroPlan, rank: int | No
     ``rank=None``: of every rank at once, for a :class:`~puredist.SimulatedCollective`
     (``params`` stacked ``[plan.world_size, *shape]``)."""
     leaves, _ = tree_flatten(params)
-    if len(plan.owners) != len(leaves):
-        raise ValueError(f"Arg ``plan`` covers {len(plan.owners)} parameters, ``params`` has {len(leaves)}.")
-    plan.check()
+    plan.check(parameters=len(leaves))
     if rank is None:
         SimulatedCollective(plan.world_size).check_stacked(leaves, arg="params")
         return ZeroState(step=0, plan=plan, owned=tuple(optimizer.init([leaf[0] for leaf in leaves])))
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
-        raise ValueError(f"Arg ``rank`` must be an int in [0, {plan.world_size}) (or None, simulated), got {rank!r}.")
+    check("rank", rank, BELOW, stop=plan.world_size, where=" (or None, simulated)")
     owned = tuple(optimizer.init([leaves[i] for i in plan.owned_by(rank)]))
     return ZeroState(step=0, plan=plan, owned=owned)
 
@@ -193,19 +191,14 @@ class _Context(NamedTuple):
 
 
 def _checked(params, grads, state: ZeroState, collective):
-    if not isinstance(collective, (DistributedCollective, SimulatedCollective)):
-        raise TypeError(
-            f"Arg ``collective`` of a ZeRO step in place must be a DistributedCollective or a SimulatedCollective, "
-            f"got {type(collective).__name__}: under vmap use the pure update."
-        )
+    check("collective", collective, INSTANCE, kind=(DistributedCollective, SimulatedCollective),
+          a="a DistributedCollective or a SimulatedCollective for a ZeRO step in place (under vmap: the pure update)")
     leaves, spec = tree_flatten(params)
     try:
         grad_leaves = spec.flatten_up_to(grads)
     except ValueError as error:
         raise ValueError(f"Arg ``grads`` must have the structure of ``params`` (None for no gradient): {error}") from None
-    if len(state.plan.owners) != len(leaves):
-        raise ValueError(f"The state's plan covers {len(state.plan.owners)} parameters, ``params`` has {len(leaves)}.")
-    state.plan.check("The state's plan")
+    state.plan.check("The state's plan", parameters=len(leaves))
     if state.plan.world_size != collective.world_size:
         raise ValueError(
             f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
@@ -352,8 +345,7 @@ def zero(optimizer: Optimizer) -> Zero:
     Raises:
         TypeError: ``optimizer`` is not a functional optimizer.
     """
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"Arg ``optimizer`` must be a puredist optimizer (e.g. adam(1e-3)), got {optimizer!r}.")
+    check("optimizer", optimizer, INSTANCE, kind=Optimizer, a="a puredist optimizer (e.g. adam(1e-3))")
     return Zero(
         init=bound(init, optimizer),
         update=bound(update, optimizer),

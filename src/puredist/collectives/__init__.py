@@ -28,7 +28,8 @@ narrower than fp32) is :func:`divides_first`'s.
 One concern a module:
 
 - :mod:`puredist.collectives.base`: the protocol, the division rule
-  (:func:`divides_first`, :func:`block_mean`), :func:`check_is_collective`, and a
+  (:func:`divides_first`, :func:`block_mean`), :func:`check_is_collective`,
+  :func:`~puredist.collectives.base.check_group_sizes`, and a
   rank's refusal told to its peers before it raises (:class:`~puredist.collectives.base.refusing`);
 - :mod:`puredist.collectives.distributed`: :class:`DistributedCollective` and its
   differentiable mean (:class:`~puredist.collectives.distributed.AllReduceMean`);

@@ -23,7 +23,7 @@ import torch
 
 from puredist.staging import CollectiveHandle
 
-__all__ = ["Collective", "block_mean", "check_is_collective", "divides_first", "refusing"]
+__all__ = ["Collective", "block_mean", "check_group_sizes", "check_is_collective", "divides_first", "refusing"]
 
 
 class Collective(Protocol):
@@ -79,6 +79,17 @@ def check_is_collective(collective: object) -> None:
         raise TypeError(
             "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
             f"...), got {type(collective).__name__}: {collective!r}."
+        )
+
+
+def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: str) -> None:
+    """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
+    within one of ``group_sizes`` (from the argument named ``arg``)."""
+    missing = [g for g in group_sizes if g not in collective.group_sizes]
+    if collective.is_member and missing:
+        raise ValueError(
+            f"The collective cannot average within groups of sizes {missing} from arg ``{arg}``; it supports "
+            f"{collective.group_sizes} (build it with DistributedCollective.with_subgroups)."
         )
 
 

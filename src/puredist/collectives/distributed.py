@@ -26,7 +26,7 @@ from puredist._groups import mesh_groups, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
-from puredist._validation import check_bucket_cap_bytes
+from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
 from puredist.collectives.base import divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.staging import (
@@ -165,9 +165,7 @@ class DistributedCollective:
                 group's size (from torch).
         """
         group_sizes = list(group_sizes)  # (an iterator is read once)
-        for size in group_sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"Arg ``group_sizes`` must hold positive ints, got {group_sizes!r}.")
+        check("group_sizes", group_sizes, POSITIVE_INTS)
         whole = process_group if process_group is not None else dist.group.WORLD
         return cls(process_group, subgroups=subgroups_of(whole, group_sizes), **kwargs)
 

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from puredist._inputs import checked_for_reduction
+from puredist._validation import AT_LEAST_ONE, check
 from puredist.collectives.base import block_mean
 from puredist.errors import RankMismatchError
 from puredist.staging import CollectiveHandle
@@ -36,8 +37,7 @@ class ReplicaGroups:
     """
 
     def __init__(self, num_replicas: int) -> None:
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"Arg ``num_replicas`` must be a positive int, got {num_replicas!r}.")
+        check("num_replicas", num_replicas, AT_LEAST_ONE)
         self.num_replicas = num_replicas
 
     @property

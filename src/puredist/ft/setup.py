@@ -58,8 +58,8 @@ def replica_manager(
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     check("min_replicas", min_replicas, AT_LEAST_ONE)
-    check("timeout", timeout, INSTANCE, kind=timedelta)
-    check("quorum_timeout", quorum_timeout, INSTANCE, kind=timedelta)
+    check("timeout", timeout, INSTANCE, kind=timedelta, a="a datetime.timedelta")
+    check("quorum_timeout", quorum_timeout, INSTANCE, kind=timedelta, a="a datetime.timedelta")
     cuda = torch.device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"Arg ``device`` is {device!r}, but this process has no CUDA device (torch "

@@ -61,10 +61,11 @@ synchronous synchronizations (a compressor's too); the state keeps one structure
 Where things are: :mod:`~puredist.outer.schedule` (which fragment synchronizes when),
 :mod:`~puredist.outer.sync` (one synchronization: start, apply),
 :mod:`~puredist.outer.update` (one step, eager, pure and traced),
-:mod:`~puredist.outer.checkpoint` (what a checkpoint holds, and its checks),
+:mod:`~puredist.outer.checkpoint` (what a checkpoint holds),
 :mod:`~puredist.outer.state` (the state and the transform's NamedTuples),
-:mod:`~puredist.outer.checks` (the inputs' checks), :mod:`~puredist.outer.config`
-(the options), :mod:`~puredist.outer.transform` (:func:`outer_optimizer`).
+:mod:`~puredist.outer.checks` (the state's checks: a step's inputs, a saved
+checkpoint), :mod:`~puredist.outer.config` (the options),
+:mod:`~puredist.outer.transform` (:func:`outer_optimizer`).
 """
 
 from puredist.outer.config import OuterConfig

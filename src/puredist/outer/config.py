@@ -18,7 +18,9 @@ from typing import Callable, Mapping
 import torch
 
 from puredist._inputs import FLOAT8
-from puredist._validation import check_hierarchy_periods, check_period, check_warmup_steps
+from puredist._validation import (
+    COMPUTE_DTYPE, INSTANCE, LEVELS, RANGE, check, check_hierarchy_periods, check_period, check_warmup_steps,
+)
 from puredist.compression import Compressor, check_compressor
 from puredist.optim import Optimizer
 from puredist.schedules import hierarchical_schedule
@@ -90,13 +92,10 @@ class OuterConfig:
 
 def _check_options(config: OuterConfig) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad option and its value."""
-    if not isinstance(config.outer, Optimizer):
-        raise TypeError(f"Arg ``outer`` must be a puredist optimizer (e.g. sgd(0.7, momentum=0.9, nesterov=True)), "
-                        f"got {config.outer!r}.")
-    for name, dtype in (("comm_dtype", config.comm_dtype), ("global_dtype", config.global_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
-            raise TypeError(f"Arg ``{name}`` must be a floating-point torch.dtype other than float8 (which has no "
-                            f"arithmetic) or None, got {dtype!r}.")
+    check("outer", config.outer, INSTANCE, kind=Optimizer,
+          a="a puredist optimizer (e.g. sgd(0.7, momentum=0.9, nesterov=True))")
+    check("comm_dtype", config.comm_dtype, COMPUTE_DTYPE, excluded=FLOAT8)
+    check("global_dtype", config.global_dtype, COMPUTE_DTYPE, excluded=FLOAT8)
     if config.global_device is not None:
         try:
             device = torch.device(config.global_device)
@@ -105,15 +104,12 @@ def _check_options(config: OuterConfig) -> None:
                             f"{config.global_device!r} ({error}).") from None
         if device.type == "meta":
             raise ValueError(f"Arg ``global_device`` {config.global_device!r}: a meta tensor holds no values to keep.")
-    if not isinstance(config.lower_levels, Mapping):
-        raise TypeError(f"Arg ``lower_levels`` must be a mapping {{period: group_size}}, got {config.lower_levels!r}.")
+    check("lower_levels", config.lower_levels, LEVELS)
     check_period(config.sync_every, arg="sync_every")
     check_warmup_steps(config.warmup_steps)
-    sync_every = config.sync_every
-    for name, value, low, high in (("delay", config.delay, 0, sync_every - 1),
-                                   ("fragments", config.fragments, 1, sync_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"Arg ``{name}`` must be an int in [{low}, {high}] for sync_every={sync_every}, got {value!r}.")
+    where = f" for sync_every={config.sync_every}"
+    check("delay", config.delay, RANGE, low=0, high=config.sync_every - 1, where=where)
+    check("fragments", config.fragments, RANGE, low=1, high=config.sync_every, where=where)
     compressor = config.compressor
     if compressor is not None:
         check_compressor(compressor)
