@@ -54,7 +54,7 @@ import puredist  # noqa: E402
 
 # The public modules, in the order of the API reference: a name's entry is in the first
 # of them that exports it (``__all__``); the internals document only what is their own.
-PUBLIC = ["puredist", "puredist.averaging", "puredist.collectives", "puredist.replicas", "puredist.compression",
+PUBLIC = ["puredist", "puredist.averaging", "puredist.collectives", "puredist.compression",
           "puredist.optim", "puredist.outer", "puredist.schedules", "puredist.sharding", "puredist.zero_sharded",
           "puredist.tree", "puredist.testing", "puredist.ft", "puredist.classic"]
 

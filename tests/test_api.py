@@ -138,8 +138,8 @@ def test_importing_puredist_leaves_dtensor_unimported_and_a_dtensor_made_later_i
 
 
 def test_the_collectives_modules_keep_their_import_rules_and_form_no_cycle():
-    """The protocol module imports no backend, the simulated backend nothing of
-    ``torch.distributed``, and no collectives module is part of an import cycle among
+    """The protocol module imports no backend, the simulated and vmapped backends nothing
+    of ``torch.distributed``, and no collectives module is part of an import cycle among
     puredist's modules (``TYPE_CHECKING`` imports included): a backend imports its
     siblings by their own modules, not through the package that re-exports them."""
     import pathlib
@@ -149,9 +149,11 @@ def test_the_collectives_modules_keep_their_import_rules_and_form_no_cycle():
     graph = package_imports(pathlib.Path(puredist.__file__).parent, "puredist")
     collectives = {name: imported for name, imported in graph.items() if name.startswith("puredist.collectives")}
     assert set(collectives) == {"puredist.collectives", "puredist.collectives.base",
-                                "puredist.collectives.distributed", "puredist.collectives.simulated"}
+                                "puredist.collectives.distributed", "puredist.collectives.simulated",
+                                "puredist.collectives.vmap"}
     base = graph["puredist.collectives.base"]
     assert not {m for m in base if m.startswith(("puredist.collectives", "torch.distributed"))}, sorted(base)
-    assert not {m for m in graph["puredist.collectives.simulated"] if m.startswith("torch.distributed")}
+    for one_process in ("puredist.collectives.simulated", "puredist.collectives.vmap"):
+        assert not {m for m in graph[one_process] if m.startswith("torch.distributed")}, one_process
     ours = {name: {m for m in imported if m in graph} for name, imported in graph.items()}
     assert not [m for m in cycles(ours) if m.startswith("puredist.collectives")], cycles(ours)

@@ -89,7 +89,7 @@ def test_a_vmap_collective_is_refused_where_there_is_no_replica_axis_of_its_size
         VmapCollective(2).check_replicated([torch.ones(1)], what="the initial parameters")
     for bad in (3, 0, -2, 8):  # (unflatten errors, ZeroDivisionError before)
         with pytest.raises(ValueError, match=f"``group_size`` {bad} must divide the number of replicas 4"):
-            vmap(lambda t: puredist.replicas.replica_mean(t, bad, 4))(torch.ones(4, 2))
+            vmap(lambda t: puredist.collectives.replica_mean(t, bad, 4))(torch.ones(4, 2))
     # a broadcast outside vmap returned each tensor as it was: every replica its own value, silently
     with pytest.raises(RuntimeError, match=r"outside torch.func.vmap.*use SimulatedCollective\(2\)"):
         VmapCollective(2).broadcast([torch.arange(4.0).reshape(2, 2)], src=1)

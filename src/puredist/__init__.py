@@ -16,7 +16,7 @@ Where to start:
   :mod:`puredist.sharding`;
 - compressed averaging with error feedback: :mod:`puredist.compression`;
 - the schedules as plain functions of the step: :mod:`puredist.schedules`;
-- a collective inside ``torch.func.vmap``: :mod:`puredist.replicas`;
+- a collective inside ``torch.func.vmap``: :mod:`puredist.collectives` (``VmapCollective``);
 - fault tolerance over torchft: :mod:`puredist.ft`;
 - for your own tests and transforms: hypothesis strategies in :mod:`puredist.testing`,
   tree functions in :mod:`puredist.tree`;
@@ -54,10 +54,10 @@ from puredist.collectives import (
     Collective,
     DistributedCollective,
     SimulatedCollective,
+    VmapCollective,
 )
 from puredist.optim import Optimizer, adam, adamw, sgd
 from puredist.outer import OuterState, OuterTransform, outer_optimizer
-from puredist.replicas import VmapCollective
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist.sharding import ZeroPlan, plan_zero
 from puredist.zero_sharded import Zero, ZeroState, zero

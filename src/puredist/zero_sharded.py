@@ -44,7 +44,7 @@ from puredist.tree import PyTree, clone_leaves, tree_flatten, tree_unflatten
 from puredist.collectives import (
     CollectiveError, CollectiveHandle, DistributedCollective, SimulatedCollective, refusing,
 )
-from puredist.replicas import VmapCollective
+from puredist.collectives.vmap import VmapCollective
 from puredist._consistency import refusals, with_refusal
 from puredist.errors import RankMismatchError
 from puredist.optim import Optimizer, clone_states

@@ -14,8 +14,8 @@ Three backends implement the same small protocol, :class:`Collective`:
   of replicas, exactly as ``dist.new_subgroups`` groups ranks. It is what
   ``vmap(axis_name=...)`` with ``lax.pmean`` gives JAX users: the same pure code
   runs ``R`` ranks at once, for property-based tests.
-- :class:`~puredist.VmapCollective` (in :mod:`puredist.replicas`): the same for code
-  running under ``torch.func.vmap`` over the replica axis.
+- :class:`~puredist.VmapCollective`: the same for code running under
+  ``torch.func.vmap`` over the replica axis (JAX's ``pmean`` under ``vmap``).
 
 Each has ``mean_`` (in place) and ``mean`` (new tensors, differentiable: the adjoint of
 a mean over a group is the mean of the gradients over the same group).
@@ -34,7 +34,9 @@ One concern a module:
 - :mod:`puredist.collectives.distributed`: :class:`DistributedCollective` and its
   differentiable mean (:class:`~puredist.collectives.distributed.AllReduceMean`);
 - :mod:`puredist.collectives.simulated`: :class:`SimulatedCollective` and
-  :class:`~puredist.collectives.simulated.ReplicaGroups`.
+  :class:`~puredist.collectives.simulated.ReplicaGroups`;
+- :mod:`puredist.collectives.vmap`: :class:`~puredist.VmapCollective` and
+  :func:`replica_mean`, collectives as ``torch.library`` operators with ``vmap`` rules.
 
 This package only re-exports.
 """
@@ -54,6 +56,7 @@ from puredist.collectives.distributed import (
     DistributedCollective,
 )
 from puredist.collectives.simulated import ReplicaGroups, SimulatedCollective
+from puredist.collectives.vmap import VmapCollective, replica_mean
 from puredist.errors import CollectiveError
 from puredist.staging import CollectiveHandle
 
@@ -65,6 +68,8 @@ __all__ = [
     "CollectiveHandle",
     "DistributedCollective",
     "SimulatedCollective",
+    "VmapCollective",
     "divides_first",
+    "replica_mean",
     "subgroup",
 ]

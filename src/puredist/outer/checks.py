@@ -24,7 +24,7 @@ from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments
 from puredist.outer.state import OuterState
-from puredist.replicas import VmapCollective
+from puredist.collectives.vmap import VmapCollective
 
 
 def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:

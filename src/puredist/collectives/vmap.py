@@ -11,7 +11,7 @@ unchanged on real ranks with a :class:`~puredist.DistributedCollective`::
 The replica axis is the innermost ``vmap`` around the call (other ``vmap`` levels
 outside it batch whole simulations). The mean within groups of ``group_size``
 consecutive replicas is the same division rule as the other backends
-(``puredist.collectives.block_mean``); it is differentiable (the adjoint of a mean
+(:func:`~puredist.collectives.block_mean`); it is differentiable (the adjoint of a mean
 is the mean of the gradients over the same group), composes with ``torch.func.grad``
 (either side of the ``vmap``) and compiles with ``torch.compile(fullgraph=True)``.
 The all-to-all and the all-gather of a compressed averaging are the batched tensor
@@ -33,7 +33,9 @@ from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
 from puredist._validation import BELOW, INT, check
-from puredist.collectives import CollectiveHandle, ReplicaGroups, SimulatedCollective, block_mean
+from puredist.collectives.base import block_mean
+from puredist.collectives.simulated import ReplicaGroups, SimulatedCollective
+from puredist.staging import CollectiveHandle
 
 __all__ = ["VmapCollective", "replica_mean"]
 
