@@ -93,7 +93,7 @@ def start(config: OuterConfig, leaves: Checked, state: OuterState, fragment: int
     ``residuals``; where those are views of one buffer (a flat fragment, see
     :mod:`puredist.outer.flat`), the buffer is overwritten instead, once the
     synchronization succeeded: no other one starts in the same step (the fragments'
-    offsets differ) and nothing after it communicates before the step is applied.
+    first synchronizations differ, :func:`~puredist.outer.schedule.sync_number`) and nothing after it communicates before the step is applied.
     A flat fragment's global buffer goes into ``flat_globals[fragment]``, for
     :func:`apply` in the same step (derived once a step, not twice)."""
     with torch.no_grad():
