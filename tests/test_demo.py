@@ -312,7 +312,7 @@ def test_each_projected_table_explains_its_mark_in_a_line_of_its_own():
     lines = projection_table({"algorithms": {"ddp": row}, "network_model": model}).splitlines()
     rows = [i for i, line in enumerate(lines) if line.startswith("ddp ")]
     assert len(rows) == 2 and all(lines[i + 1].startswith("(* the ") for i in rows)
-    assert "last evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
+    assert "lowest evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
 
 
 def test_help_explains_the_options():

@@ -132,3 +132,5 @@ def test_the_loss_within_a_budget_is_the_best_evaluation_projected_in_time():
     losses = [3.0, 2.0, 1.0]  # projected at 1 s, 3 s, 4 s (1 s of sending at step 3)
     assert network.best_loss_within(run, losses, link, 2, None, budget_s=3.5) == 2.0
     assert network.best_loss_within(run, losses, link, 2, None, budget_s=0.9) is None
+    rising = [1.0, 2.0, 3.0]  # a run whose loss rises: its lowest evaluation in time is read, not its last
+    assert network.best_loss_within(run, rising, link, 2, None, budget_s=3.5) == 1.0

@@ -39,7 +39,7 @@ Two questions are answered with it, per link: the time to reach a target loss (`
 the first evaluated step whose held-out loss is at most the target), and the lowest
 held-out loss each algorithm reaches within one time budget (the shortest projected
 time of a whole run, so that every algorithm's measurements cover it: no extrapolation
-past the steps that ran; each run is read at its last evaluation within the budget, so
+past the steps that ran; each run is read at its lowest evaluation within the budget, so
 runs that end within a fraction of the budget of each other can rank by when they
 evaluated).
 

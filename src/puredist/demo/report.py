@@ -212,7 +212,7 @@ def projection_table(summary: dict[str, Any]) -> str:
         "held-out loss reached within the same time (the fastest whole run's, per link):",
         f"{'algorithm':14s} {'':6s} " + " ".join(f"{_duration(model['budget_s'][link]):>12s}" for link in links),
         *_per_link(runs, links, "projected_loss_within_budget", lambda loss: f"{loss:.3f}", lambda row: ""),
-        "(* the lowest on that link, each run read at its last evaluation within the time: a run that ends lower "
+        "(* the lowest on that link, each run read at its lowest evaluation within the time: a run that ends lower "
         "after it is not counted)",
     ])
 
