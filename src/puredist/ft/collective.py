@@ -33,9 +33,10 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from puredist._consistency import REFUSED, _value_digest
+from puredist._consistency import REFUSED, value_digest
 from puredist._inputs import checked, checked_for_reduction
-from puredist.collectives import divides_first
+from puredist._validation import check
+from puredist.collectives.base import divides_first, group_size_rule
 from puredist.errors import CollectiveError, HealFailed, Healed, RankMismatchError, nothing_changed
 from puredist.staging import CollectiveHandle
 
@@ -43,6 +44,10 @@ __all__ = ["HealFailed", "Healed", "ManagerCollective"]
 
 _DIGEST_BITS = 20
 """Each digest's width: ``c * h**2`` stays exact in float64 for up to 2**13 replicas."""
+
+
+_WHOLE_QUORUM = group_size_rule(
+    "be None: a torchft quorum averages over all its replicas; its size changes between reductions.")
 
 
 def _digests(text: str) -> tuple[int, int]:
@@ -170,11 +175,7 @@ class ManagerCollective:
                 changed.
         """
         given = checked(tensors)
-        if group_size is not None:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size}: a torchft quorum averages over all its replicas (None); its "
-                "size changes between reductions."
-            )
+        check("group_size", group_size, _WHOLE_QUORUM, sizes=())
         what = "Averaging over a torchft quorum"
         self._reduce(given, given.reduced, what, f"{given.layout.summary(given)} {context}", write_back=True)
         return CollectiveHandle() if async_op else None
@@ -200,7 +201,7 @@ class ManagerCollective:
             Healed, HealFailed, CollectiveError: as :meth:`mean_`.
         """
         given = checked(tensors)
-        digest = " ".join(str(_value_digest(t)) for t in given.reduced)
+        digest = " ".join(str(value_digest(t)) for t in given.reduced)
         self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
 
     def all_gather_rows(
