@@ -330,16 +330,7 @@ class ManagerCollective:
         this count tells them apart at their next common quorum. ``refused``: this
         replica refuses the step; where any does, every replica raises ``ValueError``
         (after the vote against it)."""
-        h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
-        checked = 0.0 if role == _HEALED else 1.0
-        row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
-                            1.0 if role == _MEMBER else 0.0, float(refused)], dtype=torch.float64, device=device)
-        if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
-            self._commit(given, what, "torchft's quorum")  # votes against, and raises
-        self._all_reduce([row])
-        if self.manager.errored() is not None:
-            self._commit(given, what, "the rank check")  # votes against, and raises
-        members, s1, q1, s2, q2, count, refusing = (int(v) for v in row.tolist())
+        members, s1, q1, s2, q2, count, refusing = self._summed_rows(given, agreed, role, device, what, refused)
         at = f"{what} at torchft step {self.manager.current_step()}"
         error = None
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
@@ -354,6 +345,24 @@ class ManagerCollective:
             self._vote()
             raise error
         return count
+
+    def _summed_rows(self, given, agreed: str, role: str, device: torch.device, what: str, refused: bool) -> list[int]:
+        """The rank check's exchange: this replica's row ``[checked, h1, h1**2, h2,
+        h2**2, contributes, refused]`` (the module docstring's; ``checked`` 0, and the
+        digests with it, for a :data:`_HEALED` replica), summed over the quorum by one
+        float64 all-reduce, read back as ints. Where torchft recorded a failure (a group
+        setup or a heal's fetch before it, the all-reduce itself), every replica votes
+        against the step and :meth:`_commit` raises."""
+        h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
+        checked = 0.0 if role == _HEALED else 1.0
+        row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
+                            1.0 if role == _MEMBER else 0.0, float(refused)], dtype=torch.float64, device=device)
+        if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
+            self._commit(given, what, "torchft's quorum")  # votes against, and raises
+        self._all_reduce([row])
+        if self.manager.errored() is not None:
+            self._commit(given, what, "the rank check")  # votes against, and raises
+        return [int(v) for v in row.tolist()]
 
     def _all_reduce(self, buffers: list[torch.Tensor]) -> None:
         """Sum ``buffers`` over the quorum (a replica outside it sends zeros: torchft's
