@@ -26,8 +26,8 @@ from puredist._validation import Rule, check_each
 from puredist.staging import CollectiveHandle
 
 __all__ = [
-    "Collective", "block_mean", "check_group_sizes", "check_is_collective", "divides_first", "group_size_rule",
-    "refusing",
+    "SUPPORTED_GROUP_SIZE", "Collective", "block_mean", "check_group_sizes", "check_is_collective", "divides_first",
+    "group_size_rule", "refusing",
 ]
 
 
@@ -117,7 +117,7 @@ def group_size_rule(allowed: str) -> Rule:
     return Rule(_is_group_size, ValueError, "Arg ``{arg}`` {value} must " + allowed)
 
 
-_SUPPORTED = group_size_rule(
+SUPPORTED_GROUP_SIZE = group_size_rule(  # (a collective with subgroups: DistributedCollective)
     "be a size of group the collective averages within, {sizes} (build it with DistributedCollective.with_subgroups).")
 
 
@@ -125,7 +125,7 @@ def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: st
     """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
     within one of ``group_sizes`` (from the argument named ``arg``)."""
     if collective.is_member:
-        check_each(arg, group_sizes, _SUPPORTED, sizes=collective.group_sizes)
+        check_each(arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
 
 
 class refusing:  # (a context manager: named as contextlib.suppress is)

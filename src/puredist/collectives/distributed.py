@@ -27,7 +27,7 @@ from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
 from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
-from puredist.collectives.base import Collective, divides_first, refusing
+from puredist.collectives.base import SUPPORTED_GROUP_SIZE, Collective, divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.staging import (
     DEVICE_BUCKET_CAP_BYTES,
@@ -208,14 +208,9 @@ class DistributedCollective(Collective):
         return self._is_member
 
     def _group(self, group_size: int | None) -> dist.ProcessGroup:
-        size = self._world_size if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size not in self._groups:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size} has no process group here; this "
-                f"collective averages within groups of sizes {self.group_sizes} "
-                "(build it with DistributedCollective.with_subgroups)."
-            )
-        return self._groups[size]
+        """The process group of ``group_size`` (``None``: the whole group), checked."""
+        check("group_size", group_size, SUPPORTED_GROUP_SIZE, sizes=self.group_sizes)
+        return self._groups[self._world_size if group_size is None else group_size]
 
     @_runs_eagerly
     def mean_(
