@@ -32,7 +32,7 @@ import torch
 from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
-from puredist._validation import BELOW, INT, check
+from puredist._validation import BELOW, INT, Rule, check
 from puredist.collectives.base import block_mean
 from puredist.collectives.simulated import ReplicaGroups, replica_digests
 from puredist.staging import CollectiveHandle
@@ -66,18 +66,15 @@ def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def _check_replica_axis(batch_size: int, num_replicas: int) -> None:
-    """Raise unless the innermost ``vmap`` (of ``batch_size``) maps over ``num_replicas``."""
-    if batch_size != num_replicas:
-        raise ValueError(
-            f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
-            f"over {batch_size}."
-        )
+_REPLICA_AXIS = Rule(lambda v, b: v == b["replicas"], ValueError,
+                     "The VmapCollective has {replicas} replicas, but the innermost vmap around it maps over {value}.")
+"""The replica axis's rule: the innermost ``vmap`` around a replica operation (its
+batch size, the value checked) maps over the collective's ``replicas``."""
 
 
 def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
     dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     return block_mean(tensor.movedim(dim, 0), group_size), 0
 
 
@@ -127,7 +124,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     return rows[source].unsqueeze(0).expand_as(rows).contiguous(), 0
 
@@ -149,7 +146,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_gather_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     gathered = torch.zeros_like(rows)
     gathered[source] = rows.sum(0)  # every replica's copy of the source's value came from the source
@@ -197,7 +194,7 @@ def _replica_exchange_vmap(info, in_dims, tensor: torch.Tensor, transpose: bool,
     """Replica ``r``'s rows ``X[r]``: an all-to-all gives replica ``c`` the rows
     ``X[q, c]`` over ``q`` (the replica axis swapped with the row axis); an all-gather
     gives every replica all of ``X``."""
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     if transpose:
         return rows.transpose(0, 1).contiguous(), 0
@@ -219,7 +216,7 @@ def _(like: torch.Tensor, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_index_vmap(info, in_dims, like: torch.Tensor, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     return torch.arange(num_replicas, device=like.device), 0
 
 
@@ -382,7 +379,7 @@ class VmapCollective(ReplicaGroups):
         level = _vmap_levels_active()[-1]
         rows = [_replica_rows(t, level) for t in tensors]
         for r in [r for r in rows if r is not None][:1]:
-            _check_replica_axis(r.shape[0], self.num_replicas)
+            check("vmap", r.shape[0], _REPLICA_AXIS, replicas=self.num_replicas)
         return replica_digests(rows, self.num_replicas)
 
 
