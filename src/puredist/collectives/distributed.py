@@ -127,7 +127,8 @@ class DistributedCollective(Collective):
             (collectively: the twin is created here).
 
     Raises:
-        ValueError: ``bucket_cap_bytes < 1``; no process group was initialized.
+        ValueError: ``bucket_cap_bytes < 1``; no process group was initialized (torch's
+            own error, from ``dist.get_rank``).
     """
 
     def __init__(
@@ -140,8 +141,6 @@ class DistributedCollective(Collective):
     ) -> None:
         if bucket_cap_bytes is not None:
             check_bucket_cap_bytes(bucket_cap_bytes)
-        if not dist.is_initialized():
-            raise ValueError("DistributedCollective needs torch.distributed.init_process_group() first.")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.bucket_cap_bytes = bucket_cap_bytes
         self.check_consistency = check_consistency
