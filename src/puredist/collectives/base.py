@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from puredist.errors import RankMismatchError
-from puredist._validation import Rule, check_each
+from puredist._validation import Rule, check, check_each
 from puredist.staging import CollectiveHandle
 
 __all__ = [
@@ -95,14 +95,15 @@ class Collective(Protocol):
             raise RankMismatchError.of_values(differing, len(tensors), what, simulated=self.simulated)
 
 
+_IS_COLLECTIVE = Rule(lambda v, b: callable(getattr(v, "mean_", None)), TypeError,
+                      "Arg ``{arg}`` must be a puredist collective (DistributedCollective(group), "
+                      "SimulatedCollective(R), ...), got {type}: {value!r}.")
+
+
 def check_is_collective(collective: object) -> None:
     """Raise ``TypeError`` unless ``collective`` is a :class:`Collective` (has ``mean_``):
     a process group passed instead is the usual mistake."""
-    if not callable(getattr(collective, "mean_", None)):
-        raise TypeError(
-            "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
-            f"...), got {type(collective).__name__}: {collective!r}."
-        )
+    check("collective", collective, _IS_COLLECTIVE)
 
 
 def _is_group_size(value: object, bounds: dict) -> bool:

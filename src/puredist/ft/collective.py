@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 
 from puredist._consistency import REFUSED, value_digest
 from puredist._inputs import checked, checked_for_reduction
-from puredist._validation import check
+from puredist._validation import Rule, check
 from puredist.collectives.base import divides_first, group_size_rule
 from puredist.errors import CollectiveError, HealFailed, Healed, RankMismatchError, nothing_changed
 from puredist.staging import CollectiveHandle
@@ -48,6 +48,16 @@ _DIGEST_BITS = 20
 
 _WHOLE_QUORUM = group_size_rule(
     "be None: a torchft quorum averages over all its replicas; its size changes between reductions.")
+
+
+_SYNCHRONOUS = Rule(  # (torchft keeps these attributes private: read, never written)
+    lambda v, b: not (getattr(v, "_use_async_quorum", False) or getattr(v, "_init_sync", False)), ValueError,
+    "Arg ``{arg}``: build it with use_async_quorum=False and init_sync=False (puredist.ft.replica_manager does): a "
+    "replica must heal before its tensors are read, and a heal is known by the step it changes; got {value!r}.")
+
+_PAYLOAD = Rule(lambda v, b: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(t, torch.Tensor)
+                                                                                for t in v),
+                ValueError, "Arg ``{arg}`` must be a non-empty list of tensors (the payload), got {value!r}.")
 
 
 def _digests(text: str) -> tuple[int, int]:
@@ -111,13 +121,7 @@ class ManagerCollective:
     """
 
     def __init__(self, manager, *, restart_on_heal: bool = False) -> None:
-        # (torchft keeps these private: read, never written)
-        if getattr(manager, "_use_async_quorum", False) or getattr(manager, "_init_sync", False):
-            raise ValueError(
-                "Arg ``manager``: build it with use_async_quorum=False and init_sync=False "
-                "(puredist.ft.replica_manager does): a replica must heal before its tensors are read, and a heal "
-                "is known by the step it changes."
-            )
+        check("manager", manager, _SYNCHRONOUS)
         self.manager = manager
         self.restart_on_heal = restart_on_heal
         self._open_role: str | None = None  # a heal left its quorum open: the next reduction's role in it
@@ -227,8 +231,7 @@ class ManagerCollective:
         from torch.distributed.distributed_c10d import AllgatherOptions
         from torchft.process_group import ManagedProcessGroup
 
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValueError(f"Arg ``tensors`` must be a non-empty list of tensors (the payload), got {tensors!r}.")
+        check("tensors", tensors, _PAYLOAD)
         tensors = [t.contiguous() for t in tensors]
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)
