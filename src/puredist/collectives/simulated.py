@@ -67,7 +67,7 @@ def _named(arg: str) -> str:
     return f"Arg ``{arg}``" if arg.isidentifier() else arg
 
 
-class SimulatedCollective(ReplicaGroups):
+class SimulatedCollective(ReplicaGroups, Collective):
     """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
 
     Every tensor passed to :meth:`mean_` has shape ``[num_replicas, *shape]``; row

@@ -33,7 +33,7 @@ from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
 from puredist._validation import BELOW, INT, Rule, check
-from puredist.collectives.base import block_mean
+from puredist.collectives.base import Collective, block_mean
 from puredist.collectives.simulated import ReplicaGroups, replica_digests
 from puredist.staging import CollectiveHandle
 
@@ -48,8 +48,8 @@ def _no_replica_axis(num_replicas: int, act: str, tensor: str = "a tensor") -> R
         f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap, or given {tensor}, which the "
         f"innermost torch.func.vmap (the replica axis) does not map: there is no replica axis to {act}. Vmap the step "
         "written for one replica over the stacked tensors, every tensor mapped (in_dims=None maps none: pass it "
-        f"expanded), the replica axis the innermost vmap; for stacked [{num_replicas}, *shape] tensors outside vmap, use "
-        f"SimulatedCollective({num_replicas})."
+        f"expanded), the replica axis the innermost vmap; for stacked [{num_replicas}, *shape] tensors outside vmap, "
+        f"use SimulatedCollective({num_replicas})."
     )
 
 
@@ -245,7 +245,7 @@ def _vmap_levels_active() -> list[int]:
     return [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
 
 
-class VmapCollective(ReplicaGroups):
+class VmapCollective(ReplicaGroups, Collective):
     """The :class:`~puredist.Collective` for code running under ``torch.func.vmap``
     over ``num_replicas`` simulated ranks (see the module docstring).
 
