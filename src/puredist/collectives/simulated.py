@@ -27,7 +27,7 @@ __all__ = ["ReplicaGroups", "SimulatedCollective"]
 _GROUP_SIZE = group_size_rule("divide the number of replicas {replicas}.")
 
 
-class ReplicaGroups(Collective):
+class ReplicaGroups:
     """What the one-process backends share: ``num_replicas`` simulated ranks, grouped
     in blocks of consecutive replicas as ``dist.new_subgroups`` groups ranks.
 
