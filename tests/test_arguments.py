@@ -126,6 +126,12 @@ def test_a_float_group_size_is_refused_by_name_by_the_simulated_backend():
         collective.mean_([torch.ones(4, 2)], group_size=2.0)
 
 
+def test_a_distributed_collective_without_a_process_group_is_refused_naming_the_fix():
+    assert not dist.is_initialized()  # (this process: the workers' groups live in theirs)
+    with pytest.raises(ValueError, match="call init_process_group"):  # torch's own error, before anything else
+        puredist.DistributedCollective()
+
+
 def _with_subgroups_of_strings(rank, world_size):
     with pytest.raises(ValueError, match=r"Arg ``group_sizes`` must hold positive ints, got \['1'\]"):
         puredist.DistributedCollective.with_subgroups(["1"])

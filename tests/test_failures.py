@@ -103,6 +103,22 @@ def test_an_unsupported_tensor_late_in_the_list_is_refused_before_anything_is_av
     run_workers(_later_tensor_unsupported, 2)
 
 
+def _unknown_group_size(rank, world_size):
+    tensor = torch.full((4,), float(rank + 1))
+    collective = DistributedCollective()
+    for bad in (3, 2.0, True):  # (a float or a bool equal to a size is no size either)
+        with pytest.raises(ValueError, match=rf"Arg ``group_size`` {bad} must be a size of group the collective "
+                                             r"averages within, \(2,\) \(build it with DistributedCollective.with_subgroups"):
+            collective.mean_([tensor], group_size=bad)
+    assert torch.equal(tensor, torch.full((4,), float(rank + 1)))  # untouched
+    collective.mean_([tensor], group_size=2)
+    assert torch.equal(tensor, torch.full((4,), 1.5))
+
+
+def test_a_group_size_the_collective_has_no_group_of_is_refused_naming_it():
+    run_workers(_unknown_group_size, 2)
+
+
 class _Listener:
     """A collective's ``refuse_on_all_ranks`` alone, recording what each refusal told."""
 

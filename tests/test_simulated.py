@@ -111,6 +111,17 @@ def test_unscheduled_steps_are_no_ops_and_pure_update_never_mutates(period, warm
         state = new_state
 
 
+def test_replicas_differing_are_named_and_the_replica_groups_alone_are_no_collective():
+    same, differs = torch.ones(3, 2), torch.ones(3, 2)
+    differs[2, 1] = 2.0
+    SimulatedCollective(3).check_replicated([same, same.clone()], what="the copies")
+    with pytest.raises(puredist.RankMismatchError, match=r"Tensors \[1\] \(of 3\) differ between replicas.*the copies"):
+        SimulatedCollective(3).check_replicated([same, differs, same], what="the copies")
+    # what the one-process backends share has no mean: refused as a collective, not a silent no-op
+    with pytest.raises(TypeError, match="must be a puredist collective.*ReplicaGroups"):
+        average_([same], collective=puredist.collectives.simulated.ReplicaGroups(3))
+
+
 def test_the_simulated_backend_rejects_bad_shapes_before_writing_anything():
     collective = SimulatedCollective(4)
     good, bad = torch.randn(4, 2), torch.randn(3, 2)

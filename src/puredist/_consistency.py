@@ -118,22 +118,17 @@ class PendingRankCheck:
         raise RankMismatchError.of_summaries(self._what, dist.get_process_group_ranks(self._group), summaries, contexts)
 
 
-def check_same_values_on_all_ranks(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, device: torch.device, *, what: str
-) -> None:
-    """Raise :class:`RankMismatchError` on every rank unless every rank of ``group``
-    holds bit-identical values in ``tensors`` (of the same layouts: checked before):
-    a digest of each tensor's bytes (a DTensor's local shard), hashed on the host,
-    goes through one small all-gather on ``device``."""
-    digests = torch.tensor([_value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
+def gather_value_digests(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """Every rank's :func:`value_digest` of each of ``tensors`` (a DTensor's local
+    shard), one row per rank of ``group`` in group order: one small all-gather on
+    ``device``. What :meth:`~puredist.Collective.check_replicated` compares."""
+    digests = torch.tensor([value_digest(local_shard(t)) for t in tensors], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, digests, group=group)
-    rows = [g.tolist() for g in gathered]
-    differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
-    if differing:
-        raise RankMismatchError.of_values(differing, len(tensors), what)
+    return [g.tolist() for g in gathered]
 
 
-def _value_digest(tensor: torch.Tensor) -> int:
+def value_digest(tensor: torch.Tensor) -> int:
+    """A 64-bit digest of ``tensor``'s bytes, hashed on the host: equal values, equal digests."""
     data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()  # (0-dim too)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)

@@ -21,9 +21,14 @@ from typing import Protocol, Sequence
 
 import torch
 
+from puredist.errors import RankMismatchError
+from puredist._validation import Rule, check, check_each
 from puredist.staging import CollectiveHandle
 
-__all__ = ["Collective", "block_mean", "check_group_sizes", "check_is_collective", "divides_first", "refusing"]
+__all__ = [
+    "SUPPORTED_GROUP_SIZE", "Collective", "block_mean", "check_group_sizes", "check_is_collective", "divides_first",
+    "group_size_rule", "refusing",
+]
 
 
 class Collective(Protocol):
@@ -34,7 +39,11 @@ class Collective(Protocol):
         group_sizes: the group sizes ``mean_`` accepts (always includes
             ``world_size``).
         is_member: whether this process takes part (``False``: ``mean_`` is a no-op).
+        simulated: whether the ranks are replicas simulated in one process (the
+            messages say "replicas").
     """
+
+    simulated: bool = False
 
     @property
     def world_size(self) -> int: ...
@@ -66,31 +75,58 @@ class Collective(Protocol):
         the incoming gradients over the same group."""
         ...
 
+    def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
+        """Every rank's digests of the values of ``tensors``, one row per rank (one int
+        per tensor, :func:`puredist._consistency.value_digest`; a tensor the same on
+        every rank by construction may read 0 on each), the same rows on every rank;
+        ``[]`` where this rank has no peer to compare with. Where ranks can disagree on
+        more than values, their tensors' layouts and ``context`` (as for :meth:`mean_`)
+        are checked first, raising :class:`~puredist.RankMismatchError`."""
+        ...
+
     def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
         """Raise :class:`~puredist.RankMismatchError` (on every rank) unless every rank
-        holds the same values in ``tensors``; ``context`` as for :meth:`mean_`."""
-        ...
+        holds the same values in ``tensors``: the one comparison of every backend's
+        :meth:`value_digests` (a backend subclassing this protocol inherits it);
+        ``what`` names the tensors in the message, ``context`` as for :meth:`mean_`."""
+        rows = self.value_digests(tensors, what=what, context=context)
+        differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
+        if differing:
+            raise RankMismatchError.of_values(differing, len(tensors), what, simulated=self.simulated)
+
+
+_IS_COLLECTIVE = Rule(lambda v, b: callable(getattr(v, "mean_", None)), TypeError,
+                      "Arg ``{arg}`` must be a puredist collective (DistributedCollective(group), "
+                      "SimulatedCollective(R), ...), got {type}: {value!r}.")
 
 
 def check_is_collective(collective: object) -> None:
     """Raise ``TypeError`` unless ``collective`` is a :class:`Collective` (has ``mean_``):
     a process group passed instead is the usual mistake."""
-    if not callable(getattr(collective, "mean_", None)):
-        raise TypeError(
-            "Arg ``collective`` must be a puredist collective (DistributedCollective(group), SimulatedCollective(R), "
-            f"...), got {type(collective).__name__}: {collective!r}."
-        )
+    check("collective", collective, _IS_COLLECTIVE)
+
+
+def _is_group_size(value: object, bounds: dict) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value in bounds["sizes"])
+
+
+def group_size_rule(allowed: str) -> Rule:
+    """The rule of every backend's ``group_size``: ``None`` (the whole group) or one of
+    the group sizes it averages within (the bound ``sizes``, for
+    :func:`~puredist._validation.check`). ``allowed`` ends the message "Arg
+    ``group_size`` 3 must ...": what the backend accepts, formatted with the bounds."""
+    return Rule(_is_group_size, ValueError, "Arg ``{arg}`` {value} must " + allowed)
+
+
+SUPPORTED_GROUP_SIZE = group_size_rule(  # (a collective with subgroups: DistributedCollective)
+    "be a size of group the collective averages within, {sizes} (build it with DistributedCollective.with_subgroups).")
 
 
 def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: str) -> None:
     """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
     within one of ``group_sizes`` (from the argument named ``arg``)."""
-    missing = [g for g in group_sizes if g not in collective.group_sizes]
-    if collective.is_member and missing:
-        raise ValueError(
-            f"The collective cannot average within groups of sizes {missing} from arg ``{arg}``; it supports "
-            f"{collective.group_sizes} (build it with DistributedCollective.with_subgroups)."
-        )
+    if collective.is_member:
+        check_each(arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
 
 
 class refusing:  # (a context manager: named as contextlib.suppress is)

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import check_same_values_on_all_ranks, start_rank_check, with_refusal
+from puredist._consistency import gather_value_digests, start_rank_check, with_refusal
 from puredist._groups import mesh_groups, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
 from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
 from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
-from puredist.collectives.base import divides_first, refusing
+from puredist.collectives.base import SUPPORTED_GROUP_SIZE, Collective, divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.staging import (
     DEVICE_BUCKET_CAP_BYTES,
@@ -86,6 +86,10 @@ def _runs_eagerly(method):
     return runs_eagerly
 
 
+def _nothing() -> None:
+    """A rank check that checks nothing (``check_consistency`` off)."""
+
+
 class _WithOptions(NamedTuple):
     """A rank-check context with the collective's own options before it, formatted
     only when the check runs (the caller's context may be a lazily formatted object)."""
@@ -97,7 +101,7 @@ class _WithOptions(NamedTuple):
         return f"{self.options}; {self.context}" if str(self.context) else self.options
 
 
-class DistributedCollective:
+class DistributedCollective(Collective):
     """Mean over real ranks of a ``torch.distributed`` process group.
 
     Args:
@@ -123,7 +127,8 @@ class DistributedCollective:
             (collectively: the twin is created here).
 
     Raises:
-        ValueError: ``bucket_cap_bytes < 1``; no process group was initialized.
+        ValueError: ``bucket_cap_bytes < 1``; no process group was initialized (torch's
+            own error, from ``dist.get_rank``).
     """
 
     def __init__(
@@ -136,8 +141,6 @@ class DistributedCollective:
     ) -> None:
         if bucket_cap_bytes is not None:
             check_bucket_cap_bytes(bucket_cap_bytes)
-        if not dist.is_initialized():
-            raise ValueError("DistributedCollective needs torch.distributed.init_process_group() first.")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.bucket_cap_bytes = bucket_cap_bytes
         self.check_consistency = check_consistency
@@ -204,14 +207,9 @@ class DistributedCollective:
         return self._is_member
 
     def _group(self, group_size: int | None) -> dist.ProcessGroup:
-        size = self._world_size if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size not in self._groups:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size} has no process group here; this "
-                f"collective averages within groups of sizes {self.group_sizes} "
-                "(build it with DistributedCollective.with_subgroups)."
-            )
-        return self._groups[size]
+        """The process group of ``group_size`` (``None``: the whole group), checked."""
+        check("group_size", group_size, SUPPORTED_GROUP_SIZE, sizes=self.group_sizes)
+        return self._groups[self._world_size if group_size is None else group_size]
 
     @_runs_eagerly
     def mean_(
@@ -258,16 +256,11 @@ class DistributedCollective:
         in the group of ``group_size`` run before their averaging: they raise
         :class:`~puredist.RankMismatchError` at once, its message showing ``reason``,
         instead of waiting for this rank until the backend's timeout. Returns (the
-        caller then raises its own error); a no-op where nothing is checked (no
-        rank check, one rank, not a member, an unknown ``group_size``)."""
-        size = self._world_size if group_size is None else group_size  # (as _group picks it)
-        if not self.check_consistency or not self._is_member or size not in self._groups:
-            return
-        group = self._group(group_size)
-        if dist.get_world_size(group) == 1:
-            return
+        caller then raises its own error); a no-op where nothing is checked (as
+        :meth:`check_same_on_all_ranks`)."""
         try:
-            self._check_same([], group, context=with_refusal(str(context), reason), what="one averaging all-reduce")
+            self.check_same_on_all_ranks([], context=with_refusal(str(context), reason), what="one averaging all-reduce",
+                                         group_size=group_size)
         except (RankMismatchError, CollectiveError):
             pass  # (what the peers raise; this rank raises the error it found)
 
@@ -310,26 +303,26 @@ class DistributedCollective:
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly
-    def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str) -> None:
-        """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
-        unless all pass tensors of the same layouts and the same ``context`` (one
-        small all-gather; skipped when ``check_consistency`` is off)."""
-        if self._is_member and self._world_size > 1:
-            self._check_same(tensors, self.process_group, context=context, what=what)
-
-    def _check_same(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str) -> None:
-        """The rank check, with this collective's options that shape the messages
-        (the bucket cap); if its own collective fails (a peer is gone), a
-        :class:`CollectiveError` saying that nothing was changed."""
-        finish = self._start_check(tensors, group, context=context, what=what)
-        if finish is not None:
-            finish()
+    def check_same_on_all_ranks(
+        self, tensors: Sequence[torch.Tensor], *, context: str, what: str, group_size: int | None = None
+    ) -> None:
+        """Raise :class:`~puredist.RankMismatchError` on every rank of the group of
+        ``group_size`` (``None``: the whole group) unless all pass tensors of the same
+        layouts and the same ``context`` (one small all-gather); if its own collective
+        fails (a peer is gone), a :class:`CollectiveError` saying that nothing was
+        changed. A no-op where nothing is checked: ``check_consistency`` off, not a
+        member, one rank, no group of that size."""
+        group = self._groups.get(self._world_size if group_size is None else group_size)
+        if self._is_member and group is not None and dist.get_world_size(group) > 1:
+            (self._start_check(tensors, group, context=context, what=what) or _nothing)()
 
     def _start_check(
         self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str
     ) -> Callable[[], None] | None:
-        """:meth:`_check_same` begun: this rank's summary is sent, and the call
-        returned finishes the check (raising as :meth:`_check_same` does); ``None``
+        """The rank check of :meth:`check_same_on_all_ranks` over ``group``, begun: this
+        rank's summary is sent, and the call returned finishes the check (raising as
+        :meth:`check_same_on_all_ranks` does, with this collective's options that shape
+        the messages, the bucket cap, in the context); ``None``
         where nothing is checked. Nothing may be sent between the two."""
         if not self.check_consistency:
             return None
@@ -356,18 +349,17 @@ class DistributedCollective:
         return finish
 
     @_runs_eagerly
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Raise :class:`~puredist.RankMismatchError` on every rank of the whole group
-        unless every rank holds bit-identical values in ``tensors``: after the usual
-        rank check (layouts and ``context``, so that a rank elsewhere in its schedule
-        cannot pair its collectives with this one), a digest of each tensor's bytes,
-        hashed on the host, goes through one small all-gather.
-        """
+    def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
+        """Every rank's digests of ``tensors``' values (see
+        :meth:`~puredist.Collective.value_digests`, whose comparison
+        :meth:`check_replicated` is): after the usual rank check over the whole group
+        (layouts and ``context``, so that a rank elsewhere in its schedule cannot pair
+        its collectives with this one), a digest of each tensor's bytes, hashed on the
+        host, goes through one small all-gather."""
         if not self._is_member or self._world_size == 1:
-            return
-        group = self.process_group
-        self._check_same(tensors, group, context=context, what=what)
-        check_same_values_on_all_ranks(tensors, *exchange(group), what=what)
+            return []
+        self.check_same_on_all_ranks(tensors, context=context, what=what)
+        return gather_value_digests(tensors, *exchange(self.process_group))
 
     @property
     def rank(self) -> int:

@@ -18,11 +18,13 @@ import torch
 
 from puredist._inputs import checked_for_reduction
 from puredist._validation import AT_LEAST_ONE, check
-from puredist.collectives.base import block_mean
-from puredist.errors import RankMismatchError
+from puredist._consistency import value_digest
+from puredist.collectives.base import Collective, block_mean, group_size_rule
 from puredist.staging import CollectiveHandle
 
 __all__ = ["ReplicaGroups", "SimulatedCollective"]
+
+_GROUP_SIZE = group_size_rule("divide the number of replicas {replicas}.")
 
 
 class ReplicaGroups:
@@ -35,6 +37,8 @@ class ReplicaGroups:
     Raises:
         ValueError: ``num_replicas < 1``.
     """
+
+    simulated = True
 
     def __init__(self, num_replicas: int) -> None:
         check("num_replicas", num_replicas, AT_LEAST_ONE)
@@ -54,12 +58,8 @@ class ReplicaGroups:
 
     def _size(self, group_size: int | None) -> int:
         """``group_size`` resolved (``None``: all replicas) and checked."""
-        size = self.num_replicas if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size not in self.group_sizes:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size} must divide the number of replicas {self.num_replicas}."
-            )
-        return size
+        check("group_size", group_size, _GROUP_SIZE, sizes=self.group_sizes, replicas=self.num_replicas)
+        return self.num_replicas if group_size is None else group_size
 
 
 def _named(arg: str) -> str:
@@ -67,7 +67,7 @@ def _named(arg: str) -> str:
     return f"Arg ``{arg}``" if arg.isidentifier() else arg
 
 
-class SimulatedCollective(ReplicaGroups):
+class SimulatedCollective(ReplicaGroups, Collective):
     """Mean over ``num_replicas`` simulated ranks stacked on a leading axis.
 
     Every tensor passed to :meth:`mean_` has shape ``[num_replicas, *shape]``; row
@@ -134,16 +134,20 @@ class SimulatedCollective(ReplicaGroups):
                     "rows, or a SimulatedCollective of as many replicas as they have rows."
                 )
 
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Raise :class:`~puredist.RankMismatchError` unless every replica (row) of
-        each ``[R, *shape]`` tensor is bit-identical to the first.
+    def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
+        """Each replica's digests of its row of each ``[R, *shape]`` tensor (see
+        :meth:`~puredist.Collective.value_digests`; ``context`` as for :meth:`mean_`).
 
         Raises:
             ValueError: a tensor's leading dimension is not ``R`` (as :meth:`check_stacked`).
         """
         del context
         self.check_stacked(tensors, arg=what)
-        rows = [t.detach().contiguous().reshape(self.num_replicas, -1).view(torch.uint8) for t in tensors]
-        differing = [i for i, r in enumerate(rows) if not torch.equal(r, r[:1].expand_as(r))]
-        if differing:
-            raise RankMismatchError.of_values(differing, len(tensors), what, simulated=True)
+        return replica_digests(tensors, self.num_replicas)
+
+
+def replica_digests(stacked: Sequence[torch.Tensor | None], num_replicas: int) -> list[list[int]]:
+    """Row ``r``: replica ``r``'s :func:`~puredist._consistency.value_digest` of each
+    ``[num_replicas, *shape]`` tensor of ``stacked`` (0 for ``None``: a tensor the same
+    on every replica by construction)."""
+    return [[0 if t is None else value_digest(t[r]) for t in stacked] for r in range(num_replicas)]

@@ -32,23 +32,32 @@ import torch
 from torch.library import custom_op
 
 from puredist._inputs import checked_for_reduction, vmap_levels
-from puredist._validation import BELOW, INT, check
-from puredist.collectives.base import block_mean
-from puredist.collectives.simulated import ReplicaGroups, SimulatedCollective
+from puredist._validation import BELOW, INT, Rule, check
+from puredist.collectives.base import Collective, block_mean
+from puredist.collectives.simulated import ReplicaGroups, replica_digests
 from puredist.staging import CollectiveHandle
 
 __all__ = ["VmapCollective", "replica_mean"]
+
+
+def _no_replica_axis(num_replicas: int, act: str, tensor: str = "a tensor") -> RuntimeError:
+    """The error of a :class:`VmapCollective` that finds no replica axis to ``act`` over
+    ``tensor``: outside ``torch.func.vmap``, or on a tensor its innermost ``vmap`` does
+    not map. Every operation's outside-``vmap`` path raises it."""
+    return RuntimeError(
+        f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap, or given {tensor}, which the "
+        f"innermost torch.func.vmap (the replica axis) does not map: there is no replica axis to {act}. Vmap the step "
+        "written for one replica over the stacked tensors, every tensor mapped (in_dims=None maps none: pass it "
+        f"expanded), the replica axis the innermost vmap; for stacked [{num_replicas}, *shape] tensors outside vmap, "
+        f"use SimulatedCollective({num_replicas})."
+    )
 
 
 @custom_op("puredist::replica_mean", mutates_args=())
 def _replica_mean_op(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
     """Outside ``vmap`` there is no replica axis: only a group of one is a mean."""
     if group_size != 1:
-        raise RuntimeError(
-            f"A VmapCollective over {num_replicas} replicas was used outside torch.func.vmap, on a tensor "
-            "the vmap does not map (in_dims=None: pass it mapped, e.g. expanded), or with its replica "
-            "axis not the innermost vmap: there is no replica axis to average over."
-        )
+        raise _no_replica_axis(num_replicas, "average over")
     return tensor.clone()
 
 
@@ -57,18 +66,15 @@ def _(tensor: torch.Tensor, group_size: int, num_replicas: int) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def _check_replica_axis(batch_size: int, num_replicas: int) -> None:
-    """Raise unless the innermost ``vmap`` (of ``batch_size``) maps over ``num_replicas``."""
-    if batch_size != num_replicas:
-        raise ValueError(
-            f"The VmapCollective has {num_replicas} replicas, but the innermost vmap around it maps "
-            f"over {batch_size}."
-        )
+_REPLICA_AXIS = Rule(lambda v, b: v == b["replicas"], ValueError,
+                     "The VmapCollective has {replicas} replicas, but the innermost vmap around it maps over {value}.")
+"""The replica axis's rule: the innermost ``vmap`` around a replica operation (its
+batch size, the value checked) maps over the collective's ``replicas``."""
 
 
 def _replica_mean_vmap(info, in_dims, tensor: torch.Tensor, group_size: int, num_replicas: int):
     dim = in_dims[0]  # functorch calls the rule only for a tensor mapped at this level
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     return block_mean(tensor.movedim(dim, 0), group_size), 0
 
 
@@ -108,10 +114,7 @@ def replica_mean(tensor: torch.Tensor, group_size: int, num_replicas: int) -> to
 def _replica_select_op(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
     """Outside ``vmap`` there is no replica axis: only one replica has a value to give."""
     if num_replicas != 1:
-        raise RuntimeError(
-            f"A VmapCollective over {num_replicas} replicas broadcast a tensor outside torch.func.vmap or one the "
-            f"vmap does not map: there is no replica axis to take replica {source}'s value from."
-        )
+        raise _no_replica_axis(num_replicas, f"take replica {source}'s value from")
     return tensor.clone()
 
 
@@ -121,7 +124,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_select_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     return rows[source].unsqueeze(0).expand_as(rows).contiguous(), 0
 
@@ -133,7 +136,7 @@ _replica_select_op.register_vmap(_replica_select_vmap)
 def _replica_gather_op(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
     """The adjoint of :func:`_replica_select_op`: outside ``vmap``, one replica's own."""
     if num_replicas != 1:
-        raise RuntimeError(f"The gradient of a broadcast over {num_replicas} replicas was taken outside torch.func.vmap.")
+        raise _no_replica_axis(num_replicas, "sum a broadcast's gradient over")
     return tensor.clone()
 
 
@@ -143,7 +146,7 @@ def _(tensor: torch.Tensor, source: int, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_gather_vmap(info, in_dims, tensor: torch.Tensor, source: int, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     gathered = torch.zeros_like(rows)
     gathered[source] = rows.sum(0)  # every replica's copy of the source's value came from the source
@@ -178,10 +181,7 @@ def _replica_exchange_op(tensor: torch.Tensor, transpose: bool, num_replicas: in
     """Outside ``vmap`` there is no replica axis: one replica's own rows (an all-to-all,
     ``transpose``) or its value alone (an all-gather)."""
     if num_replicas != 1:
-        raise RuntimeError(
-            f"A VmapCollective over {num_replicas} replicas exchanged a tensor outside torch.func.vmap or one the vmap "
-            "does not map: there is no replica axis to exchange it over."
-        )
+        raise _no_replica_axis(num_replicas, "exchange it over")
     return tensor.clone() if transpose else tensor.unsqueeze(0).clone()
 
 
@@ -194,7 +194,7 @@ def _replica_exchange_vmap(info, in_dims, tensor: torch.Tensor, transpose: bool,
     """Replica ``r``'s rows ``X[r]``: an all-to-all gives replica ``c`` the rows
     ``X[q, c]`` over ``q`` (the replica axis swapped with the row axis); an all-gather
     gives every replica all of ``X``."""
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     rows = tensor.movedim(in_dims[0], 0)
     if transpose:
         return rows.transpose(0, 1).contiguous(), 0
@@ -216,7 +216,7 @@ def _(like: torch.Tensor, num_replicas: int) -> torch.Tensor:
 
 
 def _replica_index_vmap(info, in_dims, like: torch.Tensor, num_replicas: int):
-    _check_replica_axis(info.batch_size, num_replicas)
+    check("vmap", info.batch_size, _REPLICA_AXIS, replicas=num_replicas)
     return torch.arange(num_replicas, device=like.device), 0
 
 
@@ -245,7 +245,7 @@ def _vmap_levels_active() -> list[int]:
     return [i.level() for i in functorch.get_interpreter_stack() or () if i.key() == functorch.TransformType.Vmap]
 
 
-class VmapCollective(ReplicaGroups):
+class VmapCollective(ReplicaGroups, Collective):
     """The :class:`~puredist.Collective` for code running under ``torch.func.vmap``
     over ``num_replicas`` simulated ranks (see the module docstring).
 
@@ -265,14 +265,10 @@ class VmapCollective(ReplicaGroups):
         size = self._size(group_size)
         tensors = checked_for_reduction(tensors, in_place=False)
         if size > 1:  # (an outer vmap would otherwise average whole simulations together)
-            self._check_inside_vmap()
+            self._check_inside_vmap("average over")
             unmapped = _unmapped(tensors)
             if unmapped:
-                raise RuntimeError(
-                    f"A VmapCollective over {self.num_replicas} replicas was given tensor {unmapped[0]}, which the "
-                    "innermost torch.func.vmap (the replica axis) does not map (in_dims=None: pass it mapped, e.g. "
-                    "expanded): there is no replica axis to average it over."
-                )
+                raise _no_replica_axis(self.num_replicas, "average it over", f"tensor {unmapped[0]}")
         return [_ReplicaMean.apply(t, size, self.num_replicas) for t in tensors]  # (size checked: once, not per leaf)
 
     def mean_(
@@ -310,7 +306,7 @@ class VmapCollective(ReplicaGroups):
             k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
             raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")
         if self.num_replicas > 1:  # (every tensor would pass as unmapped: each replica's own value, silently)
-            self._check_inside_vmap()
+            self._check_inside_vmap("take the source replica's value from")
         unmapped = set(_unmapped(tensors))
         return [t.clone() if k in unmapped else _ReplicaSelect.apply(t, src, self.num_replicas, False)
                 for k, t in enumerate(tensors)]
@@ -339,7 +335,7 @@ class VmapCollective(ReplicaGroups):
 
     def _exchanged(self, tensors: Sequence[torch.Tensor], *, transpose: bool) -> list[torch.Tensor]:
         if self.num_replicas > 1:
-            self._check_inside_vmap()
+            self._check_inside_vmap("exchange over")
         if transpose and any(t.dim() == 0 or t.shape[0] != self.num_replicas for t in tensors):
             k, bad = next((k, t) for k, t in enumerate(tensors) if t.dim() == 0 or t.shape[0] != self.num_replicas)
             raise ValueError(f"Arg ``tensors``: element {k} has shape {tuple(bad.shape)}; an all-to-all over "
@@ -350,44 +346,41 @@ class VmapCollective(ReplicaGroups):
         """This replica's index, a 0-dim int64 tensor on ``like``'s device (``lax.axis_index``):
         under ``vmap``, mapped by the replica axis; ``like`` is any tensor that axis maps."""
         if self.num_replicas > 1:
-            self._check_inside_vmap()
+            self._check_inside_vmap("index")
         return _replica_index_op(like, self.num_replicas)
 
-    def _check_inside_vmap(self) -> None:
-        """Raise ``RuntimeError`` where no ``torch.func.vmap`` runs around the call
-        (read eagerly only: the compiler traces ``vmap`` itself)."""
+    def _check_inside_vmap(self, act: str) -> None:
+        """Raise :func:`_no_replica_axis`'s ``RuntimeError`` (nothing to ``act``) where no
+        ``torch.func.vmap`` runs around the call (read eagerly only: the compiler traces
+        ``vmap`` itself)."""
         if not torch.compiler.is_compiling() and not _vmap_levels_active():
-            raise RuntimeError(
-                f"A VmapCollective over {self.num_replicas} replicas was used outside torch.func.vmap: it averages "
-                "over the replica axis of a vmap (vmap the step written for one replica over the stacked "
-                f"tensors); for stacked [{self.num_replicas}, *shape] tensors outside vmap, use "
-                f"SimulatedCollective({self.num_replicas})."
-            )
+            raise _no_replica_axis(self.num_replicas, act)
 
-    def check_replicated(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> None:
-        """Raise :class:`~puredist.RankMismatchError` unless every replica's value of
-        each tensor is bit-identical (a tensor the replica axis does not map is, by
-        construction). Eagerly the values are read through the ``vmap`` (its batched
-        tensors hold the stacked rows). Skipped while ``torch.compile`` traces, and
-        for a tensor that a transform outside the replica axis wraps too (an outer
-        ``vmap`` or ``grad``): neither has values to read on the host, and a check
-        inside the traced step would be a host read of device values at every call.
-        The eager run of the same step checks it, as does
+    def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
+        """Each replica's digests of its value of each tensor (see
+        :meth:`~puredist.Collective.value_digests`, whose comparison
+        :meth:`check_replicated` is; a tensor the replica axis does not map reads 0 on
+        every replica: it is replicated by construction). Eagerly the values are read
+        through the ``vmap`` (its batched tensors hold the stacked rows). ``[]`` while
+        ``torch.compile`` traces, and 0 for a tensor that a transform outside the
+        replica axis wraps too (an outer ``vmap`` or ``grad``): neither has values to
+        read on the host, and a check inside the traced step would be a host read of
+        device values at every call. The eager run of the same step checks it, as does
         :meth:`SimulatedCollective.check_replicated` on the stacked tensors before the ``vmap``.
 
         Raises:
             RuntimeError: outside ``torch.func.vmap`` (see :meth:`mean`).
             ValueError: the innermost ``vmap`` does not map over ``num_replicas``.
         """
-        del context
+        del context, what
         if torch.compiler.is_compiling():
-            return
-        self._check_inside_vmap()
+            return []
+        self._check_inside_vmap("compare values over")
         level = _vmap_levels_active()[-1]
-        rows = [r for r in (_replica_rows(t, level) for t in tensors) if r is not None]
-        for r in rows[:1]:
-            _check_replica_axis(r.shape[0], self.num_replicas)
-        SimulatedCollective(self.num_replicas).check_replicated(rows, what=what)
+        rows = [_replica_rows(t, level) for t in tensors]
+        for r in [r for r in rows if r is not None][:1]:
+            check("vmap", r.shape[0], _REPLICA_AXIS, replicas=self.num_replicas)
+        return replica_digests(rows, self.num_replicas)
 
 
 def _replica_rows(tensor: torch.Tensor, level: int) -> torch.Tensor | None:

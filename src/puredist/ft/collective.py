@@ -33,9 +33,10 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from puredist._consistency import REFUSED, _value_digest
+from puredist._consistency import REFUSED, value_digest
 from puredist._inputs import checked, checked_for_reduction
-from puredist.collectives import divides_first
+from puredist._validation import Rule, check
+from puredist.collectives.base import divides_first, group_size_rule
 from puredist.errors import CollectiveError, HealFailed, Healed, RankMismatchError, nothing_changed
 from puredist.staging import CollectiveHandle
 
@@ -43,6 +44,20 @@ __all__ = ["HealFailed", "Healed", "ManagerCollective"]
 
 _DIGEST_BITS = 20
 """Each digest's width: ``c * h**2`` stays exact in float64 for up to 2**13 replicas."""
+
+
+_WHOLE_QUORUM = group_size_rule(
+    "be None: a torchft quorum averages over all its replicas; its size changes between reductions.")
+
+
+_SYNCHRONOUS = Rule(  # (torchft keeps these attributes private: read, never written)
+    lambda v, b: not (getattr(v, "_use_async_quorum", False) or getattr(v, "_init_sync", False)), ValueError,
+    "Arg ``{arg}``: build it with use_async_quorum=False and init_sync=False (puredist.ft.replica_manager does): a "
+    "replica must heal before its tensors are read, and a heal is known by the step it changes; got {value!r}.")
+
+_PAYLOAD = Rule(lambda v, b: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(t, torch.Tensor)
+                                                                                for t in v),
+                ValueError, "Arg ``{arg}`` must be a non-empty list of tensors (the payload), got {value!r}.")
 
 
 def _digests(text: str) -> tuple[int, int]:
@@ -106,13 +121,7 @@ class ManagerCollective:
     """
 
     def __init__(self, manager, *, restart_on_heal: bool = False) -> None:
-        # (torchft keeps these private: read, never written)
-        if getattr(manager, "_use_async_quorum", False) or getattr(manager, "_init_sync", False):
-            raise ValueError(
-                "Arg ``manager``: build it with use_async_quorum=False and init_sync=False "
-                "(puredist.ft.replica_manager does): a replica must heal before its tensors are read, and a heal "
-                "is known by the step it changes."
-            )
+        check("manager", manager, _SYNCHRONOUS)
         self.manager = manager
         self.restart_on_heal = restart_on_heal
         self._open_role: str | None = None  # a heal left its quorum open: the next reduction's role in it
@@ -170,11 +179,7 @@ class ManagerCollective:
                 changed.
         """
         given = checked(tensors)
-        if group_size is not None:
-            raise ValueError(
-                f"Arg ``group_size`` {group_size}: a torchft quorum averages over all its replicas (None); its "
-                "size changes between reductions."
-            )
+        check("group_size", group_size, _WHOLE_QUORUM, sizes=())
         what = "Averaging over a torchft quorum"
         self._reduce(given, given.reduced, what, f"{given.layout.summary(given)} {context}", write_back=True)
         return CollectiveHandle() if async_op else None
@@ -200,7 +205,7 @@ class ManagerCollective:
             Healed, HealFailed, CollectiveError: as :meth:`mean_`.
         """
         given = checked(tensors)
-        digest = " ".join(str(_value_digest(t)) for t in given.reduced)
+        digest = " ".join(str(value_digest(t)) for t in given.reduced)
         self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
 
     def all_gather_rows(
@@ -226,8 +231,7 @@ class ManagerCollective:
         from torch.distributed.distributed_c10d import AllgatherOptions
         from torchft.process_group import ManagedProcessGroup
 
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValueError(f"Arg ``tensors`` must be a non-empty list of tensors (the payload), got {tensors!r}.")
+        check("tensors", tensors, _PAYLOAD)
         tensors = [t.contiguous() for t in tensors]
         what = "A compressed averaging over a torchft quorum"
         role = self._start_quorum(tensors, what)
@@ -329,16 +333,7 @@ class ManagerCollective:
         this count tells them apart at their next common quorum. ``refused``: this
         replica refuses the step; where any does, every replica raises ``ValueError``
         (after the vote against it)."""
-        h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
-        checked = 0.0 if role == _HEALED else 1.0
-        row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
-                            1.0 if role == _MEMBER else 0.0, float(refused)], dtype=torch.float64, device=device)
-        if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
-            self._commit(given, what, "torchft's quorum")  # votes against, and raises
-        self._all_reduce([row])
-        if self.manager.errored() is not None:
-            self._commit(given, what, "the rank check")  # votes against, and raises
-        members, s1, q1, s2, q2, count, refusing = (int(v) for v in row.tolist())
+        members, s1, q1, s2, q2, count, refusing = self._summed_rows(given, agreed, role, device, what, refused)
         at = f"{what} at torchft step {self.manager.current_step()}"
         error = None
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
@@ -353,6 +348,24 @@ class ManagerCollective:
             self._vote()
             raise error
         return count
+
+    def _summed_rows(self, given, agreed: str, role: str, device: torch.device, what: str, refused: bool) -> list[int]:
+        """The rank check's exchange: this replica's row ``[checked, h1, h1**2, h2,
+        h2**2, contributes, refused]`` (the module docstring's; ``checked`` 0, and the
+        digests with it, for a :data:`_HEALED` replica), summed over the quorum by one
+        float64 all-reduce, read back as ints. Where torchft recorded a failure (a group
+        setup or a heal's fetch before it, the all-reduce itself), every replica votes
+        against the step and :meth:`_commit` raises."""
+        h1, h2 = _digests(f"{agreed} | committed batches {self.manager.batches_committed()}")
+        checked = 0.0 if role == _HEALED else 1.0
+        row = torch.tensor([checked, checked * h1, checked * h1 * h1, checked * h2, checked * h2 * h2,
+                            1.0 if role == _MEMBER else 0.0, float(refused)], dtype=torch.float64, device=device)
+        if self.manager.errored() is not None:  # torchft records, not raises, a failed group setup or heal fetch
+            self._commit(given, what, "torchft's quorum")  # votes against, and raises
+        self._all_reduce([row])
+        if self.manager.errored() is not None:
+            self._commit(given, what, "the rank check")  # votes against, and raises
+        return [int(v) for v in row.tolist()]
 
     def _all_reduce(self, buffers: list[torch.Tensor]) -> None:
         """Sum ``buffers`` over the quorum (a replica outside it sends zeros: torchft's
