@@ -88,10 +88,12 @@ def _exchanges(collective: Collective) -> bool:
 
 def compressed_mean(
     leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
-    *, context: str,
+    *, context: object,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The means of ``leaves`` (new tensors, their dtypes) and the new fp32 residuals,
-    by the two-phase rule of this module; ``context`` joins the rank check.
+    by the two-phase rule of this module; ``context`` joins the rank check (any object:
+    a caller's lazily formatted context, ``str()`` taken only where a check or an error
+    reads it).
 
     Raises:
         TypeError: a non-floating-point leaf, or another kind of collective.
@@ -137,7 +139,7 @@ class _PayloadsContext(NamedTuple):
 
 
 def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
-                           collective: Collective, context: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           collective: Collective, context: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`compressed_mean` of plain tensors of one dtype on a real rank: the row
     made and cut by single C++ calls (host work per leaf in C, not in Python). The
     results are tensors of their own (no shared storage or version counter: a
@@ -175,7 +177,7 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
 
 
 def compressed_mean_flat_(
-    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: str,
+    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: object,
     leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
 ) -> None:
     """:func:`compressed_mean` of leaves laid end to end in one buffer, as one tensor
@@ -192,7 +194,7 @@ def compressed_mean_flat_(
         as :func:`compressed_mean`, with ``flat`` and ``residual`` as they were. The
         rank check sees the one tensor: ranks must lay their leaves out alike.
     """
-    context = f"{context}, payloads of {compressor.name}"
+    context = _PayloadsContext(context, compressor.name)
     _check_compressible([flat], collective, layout_of([flat]))
     if not collective.is_member:
         return
@@ -204,7 +206,7 @@ def compressed_mean_flat_(
 
 def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor: Compressor, collective: Collective,
                   simulated: bool, leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
-                  context: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  context: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, left)`` of ``rows`` (``[count, numel]``: ``leaves`` plus their
     ``residuals``, end to end): the rank check over ``given`` (with any rank's
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""
