@@ -254,6 +254,8 @@ def _outputs_and_bad_residuals(rank, world_size):
         averager.update(x, swapped, collective=collective)
     with pytest.raises(ValueError, match="holds 1 residuals for 2 leaves"):
         compressed_mean(x, state.residuals[:1], int8_blocks(16), collective, context="")
+    with pytest.raises(TypeError, match=r"Arg ``collective`` must be a DistributedCollective, .*got None"):
+        averager.update(x, state, collective=None)  # a kind of collective no phase runs over: refused by name
     fp8 = [t.to(torch.float8_e4m3fn) for t in x]  # averaged as before the single-buffer path (no float8 kernels)
     means8, _ = averager.update(fp8, averager.init(fp8), collective=collective)
     return independent, len(storages), [m.dtype for m in means8]

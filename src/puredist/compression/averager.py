@@ -16,6 +16,7 @@ from puredist._docs import fields_documented
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
+from puredist._validation import Rule, check, check_same_shapes
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
 from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
@@ -53,15 +54,10 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layo
     """Raises on a non-float leaf or another kind of collective (the leaves checked
     once per ``layout``, theirs); True if simulated."""
     layout.derived("compressible", lambda: _check_leaves(leaves))
+    check("collective", collective, _COMPRESSING)
     simulated = isinstance(collective, SimulatedCollective)
     if simulated:
         collective.check_stacked(leaves, arg="params")
-    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective) \
-            and not _exchanges(collective):
-        raise TypeError(
-            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective, a VmapCollective or a "
-            f"collective that gathers rows (puredist.ft.ManagerCollective), got {collective!r}."
-        )
     return simulated
 
 
@@ -84,6 +80,13 @@ def _exchanges(collective: Collective) -> bool:
     """Whether ``collective`` runs the replicas as one program over a replica axis, with
     an all-to-all and an all-gather there (:class:`~puredist.VmapCollective`)."""
     return callable(getattr(collective, "all_to_all", None))
+
+
+_COMPRESSING = Rule(
+    lambda c, b: isinstance(c, (DistributedCollective, SimulatedCollective)) or _gathers(c) or _exchanges(c), TypeError,
+    "Arg ``{arg}`` must be a DistributedCollective, a SimulatedCollective, a VmapCollective or a collective that "
+    "gathers rows (puredist.ft.ManagerCollective), got {value!r}.")
+"""The collectives a compressed averaging runs over (what :func:`_mean_of_rows` dispatches on)."""
 
 
 def compressed_mean(
@@ -166,10 +169,8 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
     shards = leaves
     if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
         shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
-    shapes = list(map(_SHAPE, residuals))
-    if shapes != list(map(_SHAPE, shards)):
-        i = next(i for i, (r, leaf) in enumerate(zip(shapes, shards)) if r != leaf.shape)
-        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(shards[i].shape)}.")
+    check_same_shapes("state", list(map(_SHAPE, residuals)), list(map(_SHAPE, shards)), what="residual",
+                      other="its leaf", tail=".")
     if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
         i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
         raise ValueError(f"Arg ``state``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
