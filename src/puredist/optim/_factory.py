@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist.optim._checks import check_grads, check_hyper, check_shapes
+from puredist.optim._checks import check_fits, check_hyper
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
@@ -145,8 +145,7 @@ class _Built:
         leaves, spec = tree_flatten(params)
         states = _per_leaf(spec, state, len(leaves))
         grad_leaves = spec.flatten_up_to(grads)
-        check_shapes(leaves, states)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        check_fits(leaves, states, grad_leaves, self.kind, self.takes_sparse)
         return leaves, spec, grad_leaves, states
 
     def update_(self, params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
@@ -195,8 +194,7 @@ class _Built:
         per-parameter states (and, given, these parameters and gradients) would
         (see :attr:`Optimizer.check`)."""
         if params is not None:
-            check_shapes(params, states)
-            check_grads(params, grads, self.kind, self.takes_sparse)
+            check_fits(params, states, grads, self.kind, self.takes_sparse)
         self.check_states(states)
 
 

@@ -13,7 +13,8 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice, counts_of
+from puredist._validation import check
+from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hypers, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -109,7 +110,7 @@ def sgd(
             and ``foreach`` both True.
     """
     check_hypers(dict(lr=lr, momentum=momentum, weight_decay=weight_decay), scheduled=("lr", "momentum", "weight_decay"))
-    check_kernel_choice(foreach, fused)
+    check("foreach", foreach, ONE_KERNEL, fused=fused)
     if nesterov and ((not callable(momentum) and momentum <= 0) or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     if callable(momentum) and dampening:
