@@ -16,7 +16,7 @@ from puredist._docs import fields_documented
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
-from puredist._validation import Rule, check, check_same_shapes
+from puredist._validation import HOLDS, Rule, check, check_same_shapes
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
 from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
@@ -164,8 +164,7 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
     """Raise ``ValueError`` unless ``residuals`` are one fp32 tensor per leaf, shaped as
     its local shard (the payloads' sizes follow from them: a residual of another shape
     would broadcast, or make this rank's payloads another size than its peers')."""
-    if len(residuals) != len(leaves):
-        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
+    check("state", len(residuals), HOLDS, what="residuals", count=len(leaves), per="leaves")
     shards = leaves
     if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
         shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
