@@ -53,6 +53,11 @@ def test_plan_zero_reads_buckets_given_as_iterators_once():
         (lambda: puredist.hierarchical_averager(None), TypeError, r"Arg ``period_group_sizes`` must be a mapping"),
         (lambda: puredist.adam(1e-3, betas=(0.9, "0.999")), ValueError, r"Arg ``betas``.*'0.999'"),
         (lambda: puredist.adamw(1e-3, betas=(0.9, None)), ValueError, r"Arg ``betas``.*None"),
+        (lambda: puredist.sgd(0.1, foreach=True, fused=True), ValueError,
+         r"Args ``foreach`` \(True\) and ``fused`` \(True\) cannot both be True"),
+        (lambda: puredist.adam(1e-3, foreach=True, fused=True), ValueError, r"``foreach``.*``fused``.*pick one kernel"),
+        (lambda: puredist.int4_blocks(6.0), ValueError, r"Arg ``block_size`` must be a positive int, got 6.0"),
+        (lambda: puredist.top_k(True), ValueError, r"Arg ``fraction`` must be in \(0, 1\], got True"),
     ],
 )
 def test_a_bad_argument_is_refused_by_name_when_built(build, error, match):

@@ -254,6 +254,8 @@ def _outputs_and_bad_residuals(rank, world_size):
         averager.update(x, swapped, collective=collective)
     with pytest.raises(ValueError, match="holds 1 residuals for 2 leaves"):
         compressed_mean(x, state.residuals[:1], int8_blocks(16), collective, context="")
+    with pytest.raises(TypeError, match=r"Arg ``collective`` must be a DistributedCollective, .*got None"):
+        averager.update(x, state, collective=None)  # a kind of collective no phase runs over: refused by name
     fp8 = [t.to(torch.float8_e4m3fn) for t in x]  # averaged as before the single-buffer path (no float8 kernels)
     means8, _ = averager.update(fp8, averager.init(fp8), collective=collective)
     return independent, len(storages), [m.dtype for m in means8]
@@ -405,8 +407,9 @@ def test_a_rank_outside_the_group_returns_tensors_of_its_own():
 def test_the_compression_modules_keep_their_contracts_and_form_no_cycle():
     """The package's contracts, checked on the imports themselves (those under
     ``TYPE_CHECKING`` included): the codes talk to no rank and use nothing of puredist
-    but its docs helper; the phases read no checks (the averager ran them first) and do
-    not reach back into the averager; no module imports one that imports it back."""
+    but its docs helper and the argument rules (``_validation``, which touches no
+    tensor); the phases read no checks (the averager ran them first) and do not reach
+    back into the averager; no module imports one that imports it back."""
     import pathlib
 
     import puredist.compression
@@ -416,7 +419,7 @@ def test_the_compression_modules_keep_their_contracts_and_form_no_cycle():
     assert set(graph) == {f"puredist.compression{m}" for m in ("", ".codecs", ".phases", ".averager")}
     codecs = graph["puredist.compression.codecs"]
     assert not any(m.startswith(("torch.distributed", "puredist.collectives")) for m in codecs), sorted(codecs)
-    assert {m for m in codecs if m.split(".")[0] == "puredist"} <= {"puredist._docs"}, sorted(codecs)
+    assert {m for m in codecs if m.split(".")[0] == "puredist"} <= {"puredist._docs", "puredist._validation"}, sorted(codecs)
     checks = {"puredist._inputs", "puredist._validation", "puredist._layout", "puredist._dtensors"}
     phases = graph["puredist.compression.phases"]
     assert not phases & (checks | {"puredist.compression.averager"}), sorted(phases)

@@ -153,6 +153,7 @@ def test_a_missing_gradient_leaves_parameter_and_state_alone():
     [
         (lambda: puredist.sgd(lr=-1.0), "lr.*-1.0"),
         (lambda: puredist.sgd(lr=0.1, nesterov=True), "Nesterov"),
+        (lambda: puredist.sgd(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "Nesterov"),
         (lambda: puredist.adam(betas=(0.9, 1.0)), "betas.*1.0"),
         (lambda: puredist.adamw(foreach=True, fused=True), "foreach.*fused.*cannot both"),
         (lambda: puredist.adamw(eps=-1e-8), "eps"),
@@ -464,6 +465,8 @@ def test_a_state_type_declares_every_field_and_the_factory_takes_only_declared_o
 
     with pytest.raises(TypeError, match=r"Field ``buffer`` of Undeclared must be annotated Shaped or Count"):
         param_state(elementwise=True)(Undeclared)
+    with pytest.raises(TypeError, match=r"param_state declares NamedTuple classes, got <class 'dict'>"):
+        param_state(elementwise=True)(dict)
     with pytest.raises(TypeError, match=r"Arg ``state_type`` .*Undeclared.* must be declared with"):
         make_optimizer(Undeclared, lambda p: Undeclared(p), lambda *args: args[2])
 

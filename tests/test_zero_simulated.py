@@ -129,6 +129,18 @@ def test_the_pure_zero_step_under_vmap_equals_the_simulated_step(name, tolerance
     assert state.step == 3
 
 
+def test_the_pure_zero_step_under_vmap_refuses_one_rank_s_state():
+    from torch.func import vmap
+
+    plan, sharded = puredist.ZeroPlan(2, (0, 1)), puredist.zero(puredist.sgd(lr=0.1))
+    params = stacked_tree([(3,), (2,)], 2, 0)
+    state = sharded.init([p[0] for p in params], plan=plan, rank=0)  # rank 0's share: one parameter's state
+    step = vmap(lambda p, g: sharded.update(p, g, state, collective=puredist.VmapCollective(2)))
+    with pytest.raises(ValueError, match=r"under vmap every replica needs the state of every parameter \(2, from "
+                                         r"init\(\.\.\., rank=None\)\), got 1"):
+        step(params, params)
+
+
 def _pure_nesterov_zero(rank, world_size):
     simulated = rank is None
     shapes = [(3,), (4,)]

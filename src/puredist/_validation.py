@@ -123,6 +123,11 @@ TOP_IS_WHOLE = Rule(lambda v, b: v == b["world_size"], ValueError,  # (of the la
 DIVISOR = Rule(lambda v, b: v >= 1 and b["world_size"] % v == 0, ValueError,
                "Every group size in arg ``{arg}`` must be a positive divisor of the group's size {world_size}, "
                "got {value}.")
+POSITIVE_INT = Rule(lambda v, b: _is_int(v) and v >= 1, ValueError, "Arg ``{arg}`` must be a positive int, got {value!r}.")
+EVEN = Rule(lambda v, b: v % 2 == 0, ValueError, "Arg ``{arg}`` must be even ({why}), got {value}.")
+FRACTION = Rule(lambda v, b: _is_number(v) and 0 < v <= 1, ValueError, "Arg ``{arg}`` must be in (0, 1], got {value!r}.")
+HOLDS = Rule(lambda v, b: v == b["count"], ValueError,  # ``value``: how many the argument holds
+             "Arg ``{arg}`` holds {value} {what} for {count} {per}{where}.")
 
 PERIOD = (INT, POSITIVE)
 """A period, a bucket's capacity: an int ``>= 1``."""

@@ -199,19 +199,24 @@ def _checked(params, grads, state: ZeroState, collective):
     except ValueError as error:
         raise ValueError(f"Arg ``grads`` must have the structure of ``params`` (None for no gradient): {error}") from None
     state.plan.check("The state's plan", parameters=len(leaves))
-    if state.plan.world_size != collective.world_size:
-        raise ValueError(
-            f"The state's plan shards over {state.plan.world_size} ranks, the collective has {collective.world_size}."
-        )
-    if isinstance(collective, SimulatedCollective):
-        if len(state.owned) != len(leaves):
-            raise ValueError(
-                f"Arg ``state`` holds {len(state.owned)} parameter states: a simulated step needs the state of every "
-                f"parameter ({len(leaves)}), from init(..., rank=None)."
-            )
+    simulated = isinstance(collective, SimulatedCollective)
+    _check_state_fits(state, leaves, collective, "a simulated step" if simulated else None)
+    if simulated:
         collective.check_stacked(leaves, arg="params")
         collective.check_stacked([g for g in grad_leaves if g is not None], arg="grads")
     return leaves, spec, grad_leaves
+
+
+def _check_state_fits(state: ZeroState, leaves: list, collective, every: str | None) -> None:
+    """Raise ``ValueError`` unless ``state``'s plan shards over the collective's ranks
+    and, where one process steps every rank (``every`` says how: simulated, under
+    ``vmap``), the state holds every parameter's (``init(..., rank=None)``'s)."""
+    if state.plan.world_size != collective.world_size or (every and len(state.owned) != len(leaves)):
+        raise ValueError(
+            f"Arg ``state`` does not fit: its plan shards over {state.plan.world_size} ranks, the collective has "
+            f"{collective.world_size}" + (f"; {every} needs the state of every parameter ({len(leaves)}, from "
+                                          f"init(..., rank=None)), got {len(state.owned)}" if every else "") + "."
+        )
 
 
 def _step_simulated(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, indices) -> ZeroState:
@@ -276,12 +281,7 @@ def mapped_update(optimizer: Optimizer, params, grads, state: ZeroState, collect
     """:func:`update` under ``vmap`` (see the module docstring)."""
     leaves, spec = tree_flatten(params)
     grad_leaves = spec.flatten_up_to(grads)
-    if len(state.owned) != len(leaves) or state.plan.world_size != collective.world_size:
-        raise ValueError(
-            f"Arg ``state``: under vmap every replica needs the state of every parameter ({len(leaves)}, from "
-            f"init(..., rank=None)) for a plan over the {collective.world_size} replicas; got {len(state.owned)} "
-            f"states over {state.plan.world_size}."
-        )
+    _check_state_fits(state, leaves, collective, "under vmap every replica")
     active = [i for i, g in enumerate(grad_leaves) if g is not None]
     stepped, states = optimizer.update(
         [leaves[i] for i in active], [grad_leaves[i] for i in active], [state.owned[i] for i in active]

@@ -16,6 +16,7 @@ from puredist._docs import fields_documented
 from puredist._dtensors import check_not_pending, like, local_shard
 from puredist._inputs import FLOAT8
 from puredist._layout import Layout, layout_of, views_like
+from puredist._validation import HOLDS, Rule, check, check_same_shapes
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
 from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
@@ -53,15 +54,10 @@ def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layo
     """Raises on a non-float leaf or another kind of collective (the leaves checked
     once per ``layout``, theirs); True if simulated."""
     layout.derived("compressible", lambda: _check_leaves(leaves))
+    check("collective", collective, _COMPRESSING)
     simulated = isinstance(collective, SimulatedCollective)
     if simulated:
         collective.check_stacked(leaves, arg="params")
-    if not simulated and not isinstance(collective, DistributedCollective) and not _gathers(collective) \
-            and not _exchanges(collective):
-        raise TypeError(
-            "Arg ``collective`` must be a DistributedCollective, a SimulatedCollective, a VmapCollective or a "
-            f"collective that gathers rows (puredist.ft.ManagerCollective), got {collective!r}."
-        )
     return simulated
 
 
@@ -86,12 +82,21 @@ def _exchanges(collective: Collective) -> bool:
     return callable(getattr(collective, "all_to_all", None))
 
 
+_COMPRESSING = Rule(
+    lambda c, b: isinstance(c, (DistributedCollective, SimulatedCollective)) or _gathers(c) or _exchanges(c), TypeError,
+    "Arg ``{arg}`` must be a DistributedCollective, a SimulatedCollective, a VmapCollective or a collective that "
+    "gathers rows (puredist.ft.ManagerCollective), got {value!r}.")
+"""The collectives a compressed averaging runs over (what :func:`_mean_of_rows` dispatches on)."""
+
+
 def compressed_mean(
     leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor, collective: Collective,
-    *, context: str,
+    *, context: object,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The means of ``leaves`` (new tensors, their dtypes) and the new fp32 residuals,
-    by the two-phase rule of this module; ``context`` joins the rank check.
+    by the two-phase rule of this module; ``context`` joins the rank check (any object:
+    a caller's lazily formatted context, ``str()`` taken only where a check or an error
+    reads it).
 
     Raises:
         TypeError: a non-floating-point leaf, or another kind of collective.
@@ -137,7 +142,7 @@ class _PayloadsContext(NamedTuple):
 
 
 def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Tensor, ...], compressor: Compressor,
-                           collective: Collective, context: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           collective: Collective, context: object) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`compressed_mean` of plain tensors of one dtype on a real rank: the row
     made and cut by single C++ calls (host work per leaf in C, not in Python). The
     results are tensors of their own (no shared storage or version counter: a
@@ -159,15 +164,12 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
     """Raise ``ValueError`` unless ``residuals`` are one fp32 tensor per leaf, shaped as
     its local shard (the payloads' sizes follow from them: a residual of another shape
     would broadcast, or make this rank's payloads another size than its peers')."""
-    if len(residuals) != len(leaves):
-        raise ValueError(f"Arg ``state`` holds {len(residuals)} residuals for {len(leaves)} leaves.")
+    check("state", len(residuals), HOLDS, what="residuals", count=len(leaves), per="leaves")
     shards = leaves
     if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
         shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
-    shapes = list(map(_SHAPE, residuals))
-    if shapes != list(map(_SHAPE, shards)):
-        i = next(i for i, (r, leaf) in enumerate(zip(shapes, shards)) if r != leaf.shape)
-        raise ValueError(f"Arg ``state``: residual {i} has shape {tuple(shapes[i])}, its leaf {tuple(shards[i].shape)}.")
+    check_same_shapes("state", list(map(_SHAPE, residuals)), list(map(_SHAPE, shards)), what="residual",
+                      other="its leaf", tail=".")
     if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
         i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
         raise ValueError(f"Arg ``state``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
@@ -175,7 +177,7 @@ def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tenso
 
 
 def compressed_mean_flat_(
-    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: str,
+    flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: object,
     leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
 ) -> None:
     """:func:`compressed_mean` of leaves laid end to end in one buffer, as one tensor
@@ -192,7 +194,7 @@ def compressed_mean_flat_(
         as :func:`compressed_mean`, with ``flat`` and ``residual`` as they were. The
         rank check sees the one tensor: ranks must lay their leaves out alike.
     """
-    context = f"{context}, payloads of {compressor.name}"
+    context = _PayloadsContext(context, compressor.name)
     _check_compressible([flat], collective, layout_of([flat]))
     if not collective.is_member:
         return
@@ -204,7 +206,7 @@ def compressed_mean_flat_(
 
 def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor: Compressor, collective: Collective,
                   simulated: bool, leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
-                  context: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  context: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, left)`` of ``rows`` (``[count, numel]``: ``leaves`` plus their
     ``residuals``, end to end): the rank check over ``given`` (with any rank's
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""

@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from puredist._docs import fields_documented
+from puredist._validation import EVEN, FRACTION, INSTANCE, POSITIVE_INT, check
 
 Payload = tuple[torch.Tensor, ...]
 
@@ -30,11 +31,6 @@ class Compressor(NamedTuple):
     name: str
     encode: Callable[[torch.Tensor], Payload]
     decode: Callable[[Payload, int], torch.Tensor]
-
-
-def _check_block_size(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"Arg ``block_size`` must be a positive int, got {block_size!r}.")
 
 
 def _blocks(x: torch.Tensor, block_size: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +67,7 @@ def int8_blocks(block_size: int = 128) -> Compressor:
     Raises:
         ValueError: ``block_size < 1``.
     """
-    _check_block_size(block_size)
+    check("block_size", block_size, POSITIVE_INT)
     largest = _largest_scale(127)  # (here, not in the step: a compiled step traces no host loop)
 
     def encode(x: torch.Tensor) -> Payload:
@@ -91,9 +87,7 @@ def int4_blocks(block_size: int = 128) -> Compressor:
     Raises:
         ValueError: ``block_size`` not a positive even int.
     """
-    _check_block_size(block_size)
-    if block_size % 2:
-        raise ValueError(f"Arg ``block_size`` must be even (two values a byte), got {block_size}.")
+    check("block_size", block_size, POSITIVE_INT, EVEN, why="two values a byte")
     largest = _largest_scale(7)
 
     def encode(x: torch.Tensor) -> Payload:
@@ -117,8 +111,7 @@ def top_k(fraction: float) -> Compressor:
     Raises:
         ValueError: ``fraction`` not in ``(0, 1]``.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"Arg ``fraction`` must be in (0, 1], got {fraction!r}.")
+    check("fraction", fraction, FRACTION)
 
     def encode(x: torch.Tensor) -> Payload:
         k = max(1, math.ceil(round(fraction * x.numel(), 9))) if x.numel() else 0  # 0.07 * 100 is 7, not 8
@@ -134,5 +127,4 @@ def top_k(fraction: float) -> Compressor:
 
 def check_compressor(compressor: object) -> None:
     """Raise ``TypeError`` unless ``compressor`` is a :class:`Compressor`."""
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"Arg ``compressor`` must be a puredist Compressor (e.g. int8_blocks()), got {compressor!r}.")
+    check("compressor", compressor, INSTANCE, kind=Compressor, a="a puredist Compressor (e.g. int8_blocks())")

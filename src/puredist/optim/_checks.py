@@ -12,7 +12,7 @@ import torch
 
 from puredist._dtensors import dtensor_type
 from puredist._seq import any_complex, any_none
-from puredist._validation import BETAS, NON_NEGATIVE, check, check_same_shapes
+from puredist._validation import BETAS, NON_NEGATIVE, Rule, check, check_same_shapes
 from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
@@ -37,9 +37,9 @@ def check_hypers(values: dict[str, Any], *, scheduled: Sequence[str]) -> None:
             check_hyper(name, value)
 
 
-def check_kernel_choice(foreach: bool | None, fused: bool | None) -> None:
-    if foreach and fused:
-        raise ValueError(f"Args ``foreach`` ({foreach}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
+ONE_KERNEL = Rule(lambda foreach, b: not (foreach and b["fused"]), ValueError,
+                  "Args ``{arg}`` ({value}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
+"""``foreach``'s rule, given ``fused``: torch's kernels are chosen one at a time."""
 
 
 def counts_of(states: Sequence[NamedTuple], why: str) -> list[torch.Tensor]:
@@ -128,30 +128,22 @@ def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: 
             )
 
 
-def check_shapes(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple]) -> None:
+def check_fits(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple], grads: Sequence[torch.Tensor | None],
+               name: str, takes_sparse: bool) -> None:
     """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
-    buffer has another shape than its parameter (a state made for other parameters:
-    the kernels would step some parameters, then fail)."""
+    buffer (the first field declared :data:`~puredist.optim.base.Shaped`, where the
+    states are of one declared kind) has another shape than its parameter (a state
+    made for other parameters: the kernels would step some parameters, then fail), or
+    a gradient (``None`` skips its parameter) has another shape than its parameter, or
+    is sparse for an optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
     kinds = set(map(type, states))
-    if len(kinds) != 1:
-        return
-    declared = declaration(kinds.pop())
-    if declared is None or not declared.shaped:  # e.g. SGD without momentum: nothing shaped like the parameters
-        return
-    field = declared.shaped[0]  # (one field tells a state made for other parameters)
-    buffers = [getattr(state, field) for state in states]  # (comprehensions: torch.compile traces them)
-    if not buffers or buffers[0] is None:  # SGD before its first step: no buffer yet
-        return
-    check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
-                      other="its state's buffers",
-                      tail=": a state made by init for other parameters. Nothing was stepped.")
-
-
-def check_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], name: str,
-                 takes_sparse: bool) -> None:
-    """Raise ``ValueError``, before anything is stepped, where a gradient (``None``
-    skips its parameter) has another shape than its parameter, or is sparse for an
-    optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
+    declared = declaration(kinds.pop()) if len(kinds) == 1 else None
+    field = declared.shaped[0] if declared is not None and declared.shaped else None  # (SGD without momentum: none)
+    buffers = [getattr(state, field) for state in states] if field else []  # (comprehensions: torch.compile traces them)
+    if buffers and buffers[0] is not None:  # (SGD before its first step: no buffer yet)
+        check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
+                          other="its state's buffers", tail=": a state made by init for other parameters. Nothing was "
+                          "stepped.")
     shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
     check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
                       what="gradient", other="its parameter", tail=". Nothing was stepped.")

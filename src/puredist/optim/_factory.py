@@ -11,11 +11,19 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist.optim._checks import check_grads, check_hyper, check_shapes
+from puredist._validation import Rule, check
+from puredist.optim._checks import check_fits, check_hyper
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
+
+
+_NOT_TENSORS = Rule(lambda states, b: not (states and all(isinstance(s, torch.Tensor) for s in states)), ValueError,
+                    "Arg ``{arg}`` holds tensors where per-parameter states belong: were the arguments given in "
+                    "optax's order, update(grads, state, params)? puredist's is update(params, grads, state), as "
+                    "torch.optim's step updates the parameters.")
+"""A state's rule where it is not per-parameter states: not tensors (arguments swapped)."""
 
 
 def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
@@ -35,12 +43,7 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
                 f"returns it; got a {type(state).__name__} that is not."
             ) from error
     if len(states) != count or not all(map(declaration, set(map(type, states)))):
-        if states and all(isinstance(s, torch.Tensor) for s in states):
-            raise ValueError(
-                "Arg ``state`` holds tensors where per-parameter states belong: were the arguments given in optax's "
-                "order, update(grads, state, params)? puredist's is update(params, grads, state), as torch.optim's "
-                "step updates the parameters."
-            )
+        check("state", states, _NOT_TENSORS)
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
     return states
 
@@ -145,8 +148,7 @@ class _Built:
         leaves, spec = tree_flatten(params)
         states = _per_leaf(spec, state, len(leaves))
         grad_leaves = spec.flatten_up_to(grads)
-        check_shapes(leaves, states)
-        check_grads(leaves, grad_leaves, self.kind, self.takes_sparse)
+        check_fits(leaves, states, grad_leaves, self.kind, self.takes_sparse)
         return leaves, spec, grad_leaves, states
 
     def update_(self, params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
@@ -195,8 +197,7 @@ class _Built:
         per-parameter states (and, given, these parameters and gradients) would
         (see :attr:`Optimizer.check`)."""
         if params is not None:
-            check_shapes(params, states)
-            check_grads(params, grads, self.kind, self.takes_sparse)
+            check_fits(params, states, grads, self.kind, self.takes_sparse)
         self.check_states(states)
 
 

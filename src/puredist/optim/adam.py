@@ -12,7 +12,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from puredist._docs import fields_documented
 from puredist._seq import any_complex, rows_of
-from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice
+from puredist._validation import check
+from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hypers
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
@@ -55,7 +56,7 @@ def _adam_family(
     lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
 ) -> Optimizer:
     check_hypers(dict(eps=eps, weight_decay=weight_decay, lr=lr, betas=betas), scheduled=("lr", "weight_decay", "betas"))
-    check_kernel_choice(foreach, fused)
+    check("foreach", foreach, ONE_KERNEL, fused=fused)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState | AMSGradParamState:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731

@@ -39,6 +39,7 @@ import torch.utils._pytree as torch_pytree
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
+from puredist._validation import Rule, check
 from puredist.tree import PyTree
 
 
@@ -78,6 +79,15 @@ class StateDeclaration(NamedTuple):
     counts: tuple[str, ...]
 
 
+_NAMED_TUPLE_CLASS = Rule(lambda v, b: isinstance(v, type) and issubclass(v, tuple) and hasattr(v, "_fields"),
+                          TypeError, "param_state declares NamedTuple classes, got {value!r}.")
+"""What :func:`param_state` declares."""
+
+_ONE_KIND = Rule(lambda marks, b: len(marks) == 1, TypeError,  # ``marks``: the field's FieldKinds
+                 "Field ``{arg}`` of {owner} must be annotated Shaped or Count (puredist.optim), got {hint!r}.")
+"""A state field's rule: annotated with one :class:`FieldKind`."""
+
+
 def param_state(*, elementwise: bool) -> Callable[[type], type]:
     """Declare a NamedTuple class a per-parameter optimizer state: every field
     annotated :data:`Shaped` or :data:`Count` (``Annotated[T, FieldKind...]``, ``T``
@@ -92,17 +102,12 @@ def param_state(*, elementwise: bool) -> Callable[[type], type]:
         TypeError: a field without one :class:`FieldKind`, or not a NamedTuple class.
     """
     def declare(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
-            raise TypeError(f"param_state declares NamedTuple classes, got {cls!r}.")
+        check("cls", cls, _NAMED_TUPLE_CLASS)
         hints = typing.get_type_hints(cls, include_extras=True)
         kinds = {}
         for name in cls._fields:
             marks = [m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, FieldKind)]
-            if len(marks) != 1:
-                raise TypeError(
-                    f"Field ``{name}`` of {cls.__name__} must be annotated Shaped or Count (puredist.optim), got "
-                    f"{hints.get(name)!r}."
-                )
+            check(name, marks, _ONE_KIND, owner=cls.__name__, hint=hints.get(name))
             kinds[name] = marks[0]
         cls.__param_state__ = StateDeclaration(
             bool(elementwise), tuple(n for n, k in kinds.items() if k is FieldKind.SHAPED),

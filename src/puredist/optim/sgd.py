@@ -13,7 +13,8 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist.optim._checks import check_fused_takes, check_hypers, check_kernel_choice, counts_of
+from puredist._validation import Rule, check
+from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hypers, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -81,6 +82,18 @@ def _sgd_state(buffer: torch.Tensor | None, count: torch.Tensor | None) -> Named
     return _sgd_state_type(buffer is not None, count is not None)(*(t for t in (buffer, count) if t is not None))
 
 
+_NESTEROV = Rule(  # (torch.optim.SGD's message)
+    lambda v, b: not v or ((callable(b["momentum"]) or b["momentum"] > 0) and b["dampening"] == 0), ValueError,
+    "Nesterov momentum requires a momentum and zero dampening")
+"""``nesterov``'s rule, given ``momentum`` (a value or a schedule) and ``dampening``."""
+
+_UNDAMPED_SCHEDULE = Rule(
+    lambda v, b: not (callable(b["momentum"]) and v), ValueError,
+    "Args ``momentum`` (a schedule) and ``{arg}`` ({value}): torch's first momentum step takes the gradient "
+    "undamped, which a rate that starts later cannot follow; schedule momentum without dampening.")
+"""``dampening``'s rule, given ``momentum``: none where momentum is a schedule."""
+
+
 def sgd(
     lr: float = 1e-3,
     momentum: float = 0.0,
@@ -109,14 +122,9 @@ def sgd(
             and ``foreach`` both True.
     """
     check_hypers(dict(lr=lr, momentum=momentum, weight_decay=weight_decay), scheduled=("lr", "momentum", "weight_decay"))
-    check_kernel_choice(foreach, fused)
-    if nesterov and ((not callable(momentum) and momentum <= 0) or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    if callable(momentum) and dampening:
-        raise ValueError(
-            f"Args ``momentum`` (a schedule) and ``dampening`` ({dampening}): torch's first momentum step takes the "
-            "gradient undamped, which a rate that starts later cannot follow; schedule momentum without dampening."
-        )
+    check("foreach", foreach, ONE_KERNEL, fused=fused)
+    check("nesterov", nesterov, _NESTEROV, momentum=momentum, dampening=dampening)
+    check("dampening", dampening, _UNDAMPED_SCHEDULE, momentum=momentum)
     options = _SGD(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, fused)
     config = config_text("sgd", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)
