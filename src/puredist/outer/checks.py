@@ -14,6 +14,7 @@ This module must not change a tensor.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -101,33 +102,18 @@ def check_collective(config: OuterConfig, collective: Collective) -> None:
 def check_initial_copy(config: OuterConfig, state: OuterState, collective: Collective) -> None:
     """At step 0: raise :class:`~puredist.RankMismatchError` on every rank unless the
     global copy made by ``init`` is the same on every rank (the initial parameters
-    must be replicated, as DDP's broadcast makes them)."""
-    collective.check_replicated(
-        list(state.global_params),
-        what=config.explain("the initial parameters (the global copy made by init)"),
-        context=initial_check_context(config),
-    )
-
-
-def initial_check_context(config: OuterConfig) -> str:
-    """The rank-check context of :func:`check_initial_copy`."""
-    return f"{config} initial check at step 0"
-
-
-def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective: Collective) -> None:
-    """:func:`check_initial_copy` under a ``torch.func`` transform or ``torch.compile``.
-    A :class:`~puredist.VmapCollective` checks the replicas' copies itself (mapped or
+    must be replicated, as DDP's broadcast makes them). A
+    :class:`~puredist.VmapCollective` checks the replicas' copies itself (mapped or
     not: a copy shared by every replica is replicated by construction; see its
     ``check_replicated`` for what it skips while compiling); another collective reads
-    the copy on the host, as eagerly, which only an unmapped copy allows.
+    the copy on the host, also under a ``torch.func`` transform or ``torch.compile``,
+    which only an unmapped copy allows.
 
     Raises:
         NotImplementedError: a transform maps the global copy, with another collective.
     """
-    if isinstance(collective, VmapCollective):
-        check_initial_copy(config, state, collective)
-        return
-    if any(is_transformed(t) for t in state.global_params):
+    copies, on_host = list(state.global_params), not isinstance(collective, VmapCollective)
+    if on_host and any(is_transformed(t) for t in copies):
         raise NotImplementedError(
             config.explain(
                 "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
@@ -135,8 +121,16 @@ def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective
                 "take step 0 outside the transform, or (under vmap) average with a VmapCollective."
             )
         )
-    with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
-        check_initial_copy(config, state, collective)
+    with torch._C._DisableFuncTorch() if on_host else contextlib.nullcontext():  # (plain tensors, read as eagerly)
+        collective.check_replicated(
+            copies, what=config.explain("the initial parameters (the global copy made by init)"),
+            context=initial_check_context(config),
+        )
+
+
+def initial_check_context(config: OuterConfig) -> str:
+    """The rank-check context of :func:`check_initial_copy`."""
+    return f"{config} initial check at step 0"
 
 
 def world_size() -> int:
