@@ -93,18 +93,13 @@ def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, ob
 def _check_outer_steps(config: OuterConfig, state: OuterState, fragments) -> None:
     """Raise ``ValueError`` before anything is communicated where the outer optimizer
     would refuse a step applied at ``state``'s step (a schedule's value out of range,
-    :attr:`~puredist.Optimizer.check`): the synchronizations in flight that apply now
-    and, without a delay, those due (a fragment's first only averages)."""
-    check = config.outer.check
-    if check is None:
-        return
-    applying = {item.fragment: item.apply_step - config.delay for item in state.in_flight
-                if item.apply_step == state.step}
-    if not config.delay:
-        applying.update((f, state.step) for f in due_fragments(config, state.step))
-    for f, started in applying.items():
+    :attr:`~puredist.Optimizer.check`): the synchronizations the schedule applies now,
+    those started ``delay`` steps before (in flight, or due now without a delay; a
+    fragment's first only averages)."""
+    started = state.step - config.delay
+    for f in due_fragments(config, started) if config.outer.check is not None else ():
         if not is_first_sync(config, f, started):
-            check([state.outer_state[i] for i in fragments[f]])
+            config.outer.check([state.outer_state[i] for i in fragments[f]])
 
 
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
