@@ -165,14 +165,15 @@ class _Load(NamedTuple):
 
 
 class Expect(NamedTuple):
-    """How the entries whose keys match ``keys`` must agree with this transform's
-    checkpoint: ``agrees(value, expected, match, load)`` (:data:`ABSENT` for a side
-    that lacks the key), else ``ValueError("Arg ``saved``: " + why)``, ``why``
-    formatted with the match's groups, ``key``, ``value``, ``expected``, their
-    descriptions ``found`` and ``holds``, their shapes and ``load``'s fields."""
+    """How the entries whose keys match ``keys`` (a regular expression, matched
+    whole) must agree with this transform's checkpoint: ``agrees(value, expected,
+    match, load)`` (``ABSENT`` for a side that lacks the key), else
+    ``ValueError("Arg ``saved``: " + why)``, ``why`` formatted with the match's
+    groups, ``key``, ``value``, ``expected``, their descriptions ``found`` and
+    ``holds``, their shapes and ``load``'s fields."""
 
-    keys: re.Pattern
-    agrees: Callable[[Any, Any, re.Match, _Load], bool]
+    keys: str
+    agrees: Callable[..., bool]
     why: str
 
 
@@ -191,38 +192,38 @@ def _same_kind(key: str, value: object, expected: object) -> bool:
     return type(value) is type(expected) and (not key.endswith(".present") or value == expected)
 
 
-_ANY = re.compile(r".*")
+_ANY = r".*"
 SAVED = (  # in this order: whose checkpoint it is, entries missing (saved by fewer ranks), values, entries beyond, kinds
-    Expect(re.compile("config"), lambda v, e, m, c: v == e,
+    Expect("config", lambda v, e, m, c: v == e,
            "it was saved by {value!r}; this transform is {expected!r}: the schedules and payloads differ, so it "
            "cannot continue that run."),
-    Expect(re.compile(r"outer\.(\d+)\.\w+\.present"),
+    Expect(r"outer\.(\d+)\.\w+\.present",
            lambda v, e, m, c: e is not ABSENT or v is not True or f"global.{m[1]}" not in c.expected,
            "it holds outer-optimizer state with fields {saved_fields}; this transform's outer optimizer keeps "
            "{fields}: it is a checkpoint of another optimizer."),
-    Expect(re.compile(r"outer\.(\d+)\.(\w+)\.present"),
+    Expect(r"outer\.(\d+)\.(\w+)\.present",
            lambda v, e, m, c: v is True or e is not True or m[2] not in c.counts,
            "it holds no step count for parameter {0}'s outer state (``{1}``): it was saved by an outer optimizer that "
            "keeps none (without a schedule or dampening), which this one needs."),
-    Expect(re.compile("world_size"),
+    Expect("world_size",
            lambda v, e, m, c: not (c.residuals and type(v) is int and v >= 0 and e >= 0 and v != e),
            "it was saved at world size {value}, this run has {expected}: each rank's error-feedback residuals are its "
            "own (what its payloads have not sent yet), so a compressed run resumes at the world size it was saved at."),
-    Expect(re.compile(r"residual\.\d+\.rank(\d+)"), lambda v, e, m, c: m.string not in c.missing,
+    Expect(r"residual\.\d+\.rank(\d+)", lambda v, e, m, c: m.string not in c.missing,
            "it holds no error-feedback residuals of rank {0}: it was saved at a smaller world size. Each rank's "
            "residuals are its own; a compressed run resumes at the world size it was saved at."),
-    Expect(re.compile(r"in_flight\.(\d+)\.snapshot\.\d+\.rank(\d+)"), lambda v, e, m, c: m.string not in c.missing,
+    Expect(r"in_flight\.(\d+)\.snapshot\.\d+\.rank(\d+)", lambda v, e, m, c: m.string not in c.missing,
            "it holds no snapshot of rank {1} for fragment {0}'s synchronization in flight: it was saved at a smaller "
            "world size. A checkpoint loads at another world size only when no delayed synchronization is in flight "
            "(save at a step where none is, e.g. a multiple of sync_every that applies no delay)."),
     Expect(_ANY, lambda v, e, m, c: m.string not in c.missing,
            "it lacks ``{key}``, which this transform's checkpoint holds."),
-    Expect(re.compile("step"), lambda v, e, m, c: NON_NEGATIVE_INT.holds(v, {}),
+    Expect("step", lambda v, e, m, c: NON_NEGATIVE_INT.holds(v, {}),
            "``step`` must be a non-negative int, got {value!r}."),
-    Expect(re.compile(r"residual\.(\d+)\.rank(\d+)"), lambda v, e, m, c: _is_tensor_of_shape(v, e),
+    Expect(r"residual\.(\d+)\.rank(\d+)", lambda v, e, m, c: _is_tensor_of_shape(v, e),
            "rank {1}'s residual {0} has shape {shape}, this rank's shard {expected_shape}: it was saved at "
            "another sharding. A compressed run resumes at the layout it was saved at."),
-    Expect(re.compile(r"in_flight\.(\d+)\.apply_step"), lambda v, e, m, c: type(v) is not int or v == e,
+    Expect(r"in_flight\.(\d+)\.apply_step", lambda v, e, m, c: type(v) is not int or v == e,
            "fragment {0}'s synchronization in flight applies at step {value} (-1: none); at the saved step {step} the "
            "schedule has {scheduled}."),
     Expect(_ANY, lambda v, e, m, c: m.string not in c.extra,
@@ -247,7 +248,7 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
     keys = [*load.expected, *(key for key in saved if key not in load.expected)]
     for row in SAVED:
         for key in keys:
-            match = row.keys.fullmatch(key)
+            match = re.fullmatch(row.keys, key)  # (re caches the compiled rows)
             if match and not row.agrees(saved.get(key, ABSENT), load.expected.get(key, ABSENT), match, load):
                 raise ValueError("Arg ``saved``: " + _why(row, match, saved.get(key, ABSENT), load))
 
@@ -275,8 +276,9 @@ def _load(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], expe
     )
 
 
-def _why(row: Expect, match: re.Match, value: object, load: _Load) -> str:
-    """``row``'s message for the entry ``match`` names (``value``: its saved value)."""
+def _why(row: Expect, match: Any, value: object, load: _Load) -> str:
+    """``row``'s message for the entry ``match`` (a ``re.Match`` of its key) names
+    (``value``: its saved value)."""
     expected = load.expected.get(match.string, ABSENT)
     return row.why.format(
         *match.groups(), key=match.string, value=value, expected=expected, found=_entry(value), holds=_entry(expected),

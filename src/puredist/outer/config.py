@@ -107,7 +107,7 @@ _OPTIONS = (  # (option, its rules, their bounds from the config), checked in th
 
 def _check_options(config: OuterConfig) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad option and its value
-    (:data:`_OPTIONS`' rules, then the compressor's and the lower levels' periods)."""
+    (``_OPTIONS``' rules, then the compressor's and the lower levels' periods)."""
     for option, rules, bounds in _OPTIONS:
         check(option, getattr(config, option), *rules, **bounds(config))
     if config.compressor is not None:
