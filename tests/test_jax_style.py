@@ -242,8 +242,9 @@ def test_errors_name_the_fix():
         diloco.update(stacked, diloco.init(stacked), collective=VmapCollective(R))
     with pytest.raises(ValueError, match=r"tensor 0 has shape \(4, 3\); simulated, every tensor is stacked \[3, "):
         diloco.update(stacked, diloco.init(stacked), collective=SimulatedCollective(3))
-    with pytest.raises(TypeError, match="Arg ``state`` is a AveragerState, not an OuterState"):
-        diloco.update(stacked, puredist.AveragerState(step=0), collective=SimulatedCollective(R))
+    for entry in (diloco.update, diloco.update_):  # each entry point checks the state once
+        with pytest.raises(TypeError, match="Arg ``state`` is a AveragerState, not an OuterState"):
+            entry(stacked, puredist.AveragerState(step=0), collective=SimulatedCollective(R))
     compressed = puredist.outer_optimizer(puredist.sgd(0.7), sync_every=2,
                                           compressor=puredist.compression.int8_blocks())
     with pytest.raises(ValueError, match="made by init of a transform with a compressor; this one has none"):

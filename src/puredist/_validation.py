@@ -210,3 +210,21 @@ def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, 
     check_each(arg, group_sizes, INT)
     check(arg, group_sizes[-1], TOP_IS_WHOLE, world_size=world_size, whole=whole)
     check_each(arg, group_sizes, DIVISOR, world_size=world_size)
+
+
+def _is_device(value: object) -> bool:
+    import torch  # (a device is parsed, no tensor touched)
+
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+DEVICE = Rule(lambda v, b: v is None or _is_device(v), TypeError,
+              "Arg ``{arg}`` must be a torch.device, a device string or None, got {value!r}.")
+HOLDS_VALUES = Rule(lambda v, b: v is None or not str(v).startswith("meta"), ValueError,  # (after DEVICE)
+                    "Arg ``{arg}`` {value!r}: a meta tensor holds no values to keep.")
+EXCLUSIVE = Rule(lambda v, b: v is None or b["given"] is None, ValueError,
+                 "Args ``{other}`` ({given}) and ``{arg}`` ({value}) are exclusive: {why}")

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import torch
 
 from puredist._bound import options_of
+from puredist._validation import INSTANCE, check
 from puredist.averaging import _float_leaves
 from puredist.errors import CollectiveError, HealFailed, Healed
 from puredist.ft.collective import ManagerCollective
@@ -61,11 +62,8 @@ class FaultTolerantOuter:
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
-        if not isinstance(transform, OuterTransform):
-            raise TypeError(
-                "Arg ``transform`` must be an outer-optimization transform (puredist.outer_optimizer(...)), got "
-                f"{type(transform).__name__}."
-            )
+        check("transform", transform, INSTANCE, kind=OuterTransform,
+              a="an outer-optimization transform (puredist.outer_optimizer(...))")
         config = options_of(transform.update)
         if config.delay or config.lower_sizes or config.warmup_steps < 1:
             raise ValueError(config.explain(

@@ -69,7 +69,7 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
     """The state ``saved`` holds, validated against this transform and ``state``
     (a template, e.g. ``init``)."""
     fragments = fragment_leaves(config, state.global_params)
-    check_saved(config, state, saved, state_dict(config, state, rank=rank), fragments, rank)
+    check_saved(config, state, saved, state_dict(config, state, rank=rank), rank)
     global_params = tuple(
         saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True).pin_memory() if g.is_pinned()
         else saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True)

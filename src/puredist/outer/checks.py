@@ -3,21 +3,26 @@ before anything is communicated (the parameters are those the state was made for
 the collective can average the lower levels, and, at step 0, the initial global copy
 is the same on every rank), and those a checkpoint passes before anything is loaded
 from it (:func:`check_saved`: it is a state of this very transform, loadable on this
-rank; what it holds is :mod:`puredist.outer.checkpoint`'s).
+rank). What a saved checkpoint must hold is one table, :data:`SAVED`: each row a key
+pattern, how an entry agrees with this transform's checkpoint of the template (its
+in-flight entries as the schedule has them at the saved step) and the message where
+it does not; one loop reads it. What a checkpoint holds is
+:mod:`puredist.outer.checkpoint`'s.
 
 This module must not change a tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from puredist._inputs import is_transformed
-from puredist._validation import NON_NEGATIVE_INT, check, check_same_shapes
+from puredist._validation import NON_NEGATIVE_INT
 from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
 from puredist.optim.base import declaration
@@ -97,33 +102,18 @@ def check_collective(config: OuterConfig, collective: Collective) -> None:
 def check_initial_copy(config: OuterConfig, state: OuterState, collective: Collective) -> None:
     """At step 0: raise :class:`~puredist.RankMismatchError` on every rank unless the
     global copy made by ``init`` is the same on every rank (the initial parameters
-    must be replicated, as DDP's broadcast makes them)."""
-    collective.check_replicated(
-        list(state.global_params),
-        what=config.explain("the initial parameters (the global copy made by init)"),
-        context=initial_check_context(config),
-    )
-
-
-def initial_check_context(config: OuterConfig) -> str:
-    """The rank-check context of :func:`check_initial_copy`."""
-    return f"{config} initial check at step 0"
-
-
-def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective: Collective) -> None:
-    """:func:`check_initial_copy` under a ``torch.func`` transform or ``torch.compile``.
-    A :class:`~puredist.VmapCollective` checks the replicas' copies itself (mapped or
+    must be replicated, as DDP's broadcast makes them). A
+    :class:`~puredist.VmapCollective` checks the replicas' copies itself (mapped or
     not: a copy shared by every replica is replicated by construction; see its
     ``check_replicated`` for what it skips while compiling); another collective reads
-    the copy on the host, as eagerly, which only an unmapped copy allows.
+    the copy on the host, also under a ``torch.func`` transform or ``torch.compile``,
+    which only an unmapped copy allows.
 
     Raises:
         NotImplementedError: a transform maps the global copy, with another collective.
     """
-    if isinstance(collective, VmapCollective):
-        check_initial_copy(config, state, collective)
-        return
-    if any(is_transformed(t) for t in state.global_params):
+    copies, on_host = list(state.global_params), not isinstance(collective, VmapCollective)
+    if on_host and any(is_transformed(t) for t in copies):
         raise NotImplementedError(
             config.explain(
                 "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
@@ -131,15 +121,16 @@ def check_initial_copy_traced(config: OuterConfig, state: OuterState, collective
                 "take step 0 outside the transform, or (under vmap) average with a VmapCollective."
             )
         )
-    with torch._C._DisableFuncTorch():  # plain tensors, read on the host as eagerly
-        check_initial_copy(config, state, collective)
+    with torch._C._DisableFuncTorch() if on_host else contextlib.nullcontext():  # (plain tensors, read as eagerly)
+        collective.check_replicated(
+            copies, what=config.explain("the initial parameters (the global copy made by init)"),
+            context=initial_check_context(config),
+        )
 
 
-def _entry(value: object) -> str:
-    """A checkpoint entry, described without its values."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and {value.dtype}"
-    return f"{type(value).__name__} {value!r}" if isinstance(value, bool) else type(value).__name__
+def initial_check_context(config: OuterConfig) -> str:
+    """The rank-check context of :func:`check_initial_copy`."""
+    return f"{config} initial check at step 0"
 
 
 def world_size() -> int:
@@ -147,40 +138,167 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else -1
 
 
+class _Absent:
+    """An entry one side lacks."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+ABSENT = _Absent()
+
+
+class _Load(NamedTuple):
+    """What the rows of :data:`SAVED` read besides the two entries: this transform's
+    checkpoint as the schedule has it at the saved step (:func:`_load`), the keys
+    ``saved`` lacks or holds beyond it, and what the messages name."""
+
+    expected: Mapping[str, Any]
+    missing: frozenset
+    extra: frozenset
+    residuals: bool
+    step: object
+    delay: int
+    counts: tuple
+    fields: list
+    saved_fields: list
+
+
+class Expect(NamedTuple):
+    """How the entries whose keys match ``keys`` (a regular expression, matched
+    whole) must agree with this transform's checkpoint: ``agrees(value, expected,
+    match, load)`` (``ABSENT`` for a side that lacks the key), else
+    ``ValueError("Arg ``saved``: " + why)``, ``why`` formatted with the match's
+    groups, ``key``, ``value``, ``expected``, their descriptions ``found`` and
+    ``holds``, their shapes and ``load``'s fields."""
+
+    keys: str
+    agrees: Callable[..., bool]
+    why: str
+
+
+def _is_tensor_of_shape(value: object, expected: object) -> bool:
+    return not isinstance(value, torch.Tensor) or value.shape == expected.shape
+
+
+def _same_kind(key: str, value: object, expected: object) -> bool:
+    """A tensor of the same shape, and dtype but for a snapshot (in the parameter's);
+    the same Python type; a presence flag of the same value."""
+    if value is ABSENT or expected is ABSENT:
+        return True  # (the rows for missing and extra entries)
+    if isinstance(expected, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == expected.shape and (
+            value.dtype == expected.dtype or ".snapshot." in key)
+    return type(value) is type(expected) and (not key.endswith(".present") or value == expected)
+
+
+_ANY = r".*"
+SAVED = (  # in this order: whose checkpoint it is, entries missing (saved by fewer ranks), values, entries beyond, kinds
+    Expect("config", lambda v, e, m, c: v == e,
+           "it was saved by {value!r}; this transform is {expected!r}: the schedules and payloads differ, so it "
+           "cannot continue that run."),
+    Expect(r"outer\.(\d+)\.\w+\.present",
+           lambda v, e, m, c: e is not ABSENT or v is not True or f"global.{m[1]}" not in c.expected,
+           "it holds outer-optimizer state with fields {saved_fields}; this transform's outer optimizer keeps "
+           "{fields}: it is a checkpoint of another optimizer."),
+    Expect(r"outer\.(\d+)\.(\w+)\.present",
+           lambda v, e, m, c: v is True or e is not True or m[2] not in c.counts,
+           "it holds no step count for parameter {0}'s outer state (``{1}``): it was saved by an outer optimizer that "
+           "keeps none (without a schedule or dampening), which this one needs."),
+    Expect("world_size",
+           lambda v, e, m, c: not (c.residuals and type(v) is int and v >= 0 and e >= 0 and v != e),
+           "it was saved at world size {value}, this run has {expected}: each rank's error-feedback residuals are its "
+           "own (what its payloads have not sent yet), so a compressed run resumes at the world size it was saved at."),
+    Expect(r"residual\.\d+\.rank(\d+)", lambda v, e, m, c: m.string not in c.missing,
+           "it holds no error-feedback residuals of rank {0}: it was saved at a smaller world size. Each rank's "
+           "residuals are its own; a compressed run resumes at the world size it was saved at."),
+    Expect(r"in_flight\.(\d+)\.snapshot\.\d+\.rank(\d+)", lambda v, e, m, c: m.string not in c.missing,
+           "it holds no snapshot of rank {1} for fragment {0}'s synchronization in flight: it was saved at a smaller "
+           "world size. A checkpoint loads at another world size only when no delayed synchronization is in flight "
+           "(save at a step where none is, e.g. a multiple of sync_every that applies no delay)."),
+    Expect(_ANY, lambda v, e, m, c: m.string not in c.missing,
+           "it lacks ``{key}``, which this transform's checkpoint holds."),
+    Expect("step", lambda v, e, m, c: NON_NEGATIVE_INT.holds(v, {}),
+           "``step`` must be a non-negative int, got {value!r}."),
+    Expect(r"residual\.(\d+)\.rank(\d+)", lambda v, e, m, c: _is_tensor_of_shape(v, e),
+           "rank {1}'s residual {0} has shape {shape}, this rank's shard {expected_shape}: it was saved at "
+           "another sharding. A compressed run resumes at the layout it was saved at."),
+    Expect(r"in_flight\.(\d+)\.apply_step", lambda v, e, m, c: type(v) is not int or v == e,
+           "fragment {0}'s synchronization in flight applies at step {value} (-1: none); at the saved step {step} the "
+           "schedule has {scheduled}."),
+    Expect(_ANY, lambda v, e, m, c: m.string not in c.extra,
+           "it holds entries this transform's checkpoint does not: [{key!r}] (a checkpoint of other parameters: more "
+           "leaves or fragments)."),
+    Expect(_ANY, lambda v, e, m, c: _same_kind(m.string, v, e),
+           "it holds ``{key}`` as {found}, where this transform's checkpoint holds {holds}: it is not a state of this "
+           "transform for these parameters."),
+)
+"""What a saved checkpoint must hold, as rows read by :func:`check_saved`, the first
+that fails raising."""
+
+
 def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], expected: Mapping[str, Any],
-                fragments, rank: int) -> None:
+                rank: int) -> None:
     """Raise ``ValueError`` unless ``saved`` is a state of this very transform that
-    can be loaded on ``rank`` (nothing is built before it passes): first what says
-    whose checkpoint it is (configuration, optimizer, world size), then that every
-    entry is there (a rank-local one missing: saved by fewer ranks), then the values
-    that must agree (step, residuals' shapes, steps in flight), then every entry's kind
-    (the global copy's shapes among them). ``expected``: this transform's checkpoint
-    of the template ``state`` (:func:`puredist.outer.checkpoint.state_dict`)."""
-    check_origin(config, state, saved)
-    check_entries(expected, saved, kinds=False)
-    step = saved["step"]
-    check("saved['step']", step, NON_NEGATIVE_INT)
-    check_same_shapes(
-        "saved", [saved[f"residual.{i}.rank{rank}"].shape for i in range(len(state.residuals))],
-        [r.shape for r in state.residuals], what=f"rank {rank}'s residual", other="this rank's shard",
-        tail=": it was saved at another sharding. A compressed run resumes at the layout it was saved at.",
+    can be loaded on ``rank`` (nothing is built before it passes): the first row of
+    :data:`SAVED` that an entry of ``saved`` or of ``expected`` (this transform's
+    checkpoint of the template ``state``, :func:`puredist.outer.checkpoint.state_dict`)
+    breaks, its rows in their order."""
+    load = _load(config, state, saved, expected, rank)
+    keys = [*load.expected, *(key for key in saved if key not in load.expected)]
+    for row in SAVED:
+        for key in keys:
+            match = re.fullmatch(row.keys, key)  # (re caches the compiled rows)
+            if match and not row.agrees(saved.get(key, ABSENT), load.expected.get(key, ABSENT), match, load):
+                raise ValueError("Arg ``saved``: " + _why(row, match, saved.get(key, ABSENT), load))
+
+
+_APPLY_STEP = re.compile(r"in_flight\.(\d+)\.apply_step")
+_FLAG_OF_LEAF_0 = re.compile(r"outer\.0\.\w+\.present")
+
+
+def _load(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], expected: Mapping[str, Any],
+          rank: int) -> _Load:
+    """What :data:`SAVED`'s rows compare ``saved`` with: ``expected`` with each
+    fragment's synchronization in flight the schedule has at the saved step (where
+    that step is one: else its row refuses it first), and the entries missing or
+    beyond it."""
+    step = saved.get("step")
+    if NON_NEGATIVE_INT.holds(step, {}):
+        expected = {key: _in_flight_at(config, int(match[1]), step) if (match := _APPLY_STEP.fullmatch(key)) else value
+                    for key, value in expected.items()}
+    declared = declaration(type(state.outer_state[0])) if state.outer_state else None
+    return _Load(
+        expected, frozenset(_missing(expected, saved)), frozenset(_unexpected_entries(expected, saved, rank)),
+        bool(state.residuals), step, config.delay, declared.counts if declared else (),
+        sorted(state.outer_state[0]._fields) if state.outer_state else [],
+        sorted(key.split(".")[2] for key in saved if _FLAG_OF_LEAF_0.fullmatch(key) and saved[key] is True),
     )
-    for f in range(len(fragments)):
-        apply_step, scheduled = int(saved[f"in_flight.{f}.apply_step"]), _in_flight_at(config, f, step)
-        if apply_step != scheduled:
-            raise ValueError(
-                f"Arg ``saved``: fragment {f}'s synchronization in flight applies at step {apply_step} (-1: none); "
-                f"at the saved step {step} the schedule has "
-                + ("none in flight." if scheduled < 0 else f"the one started at step {scheduled - config.delay} in "
-                   f"flight, applying at step {scheduled}.")
-            )
-    unexpected = _unexpected_entries(expected, saved, rank)
-    if unexpected:
-        raise ValueError(
-            f"Arg ``saved`` holds entries this transform's checkpoint does not: {unexpected[:5]}"
-            f"{' ...' if len(unexpected) > 5 else ''} (a checkpoint of other parameters: more leaves or fragments)."
-        )
-    check_entries(expected, saved, kinds=True)
+
+
+def _why(row: Expect, match: Any, value: object, load: _Load) -> str:
+    """``row``'s message for the entry ``match`` (a ``re.Match`` of its key) names
+    (``value``: its saved value)."""
+    expected = load.expected.get(match.string, ABSENT)
+    return row.why.format(
+        *match.groups(), key=match.string, value=value, expected=expected, found=_entry(value), holds=_entry(expected),
+        shape=_shape(value), expected_shape=_shape(expected), fields=load.fields, saved_fields=load.saved_fields,
+        step=load.step, scheduled=f"the one started at step {expected - load.delay} in flight, applying at step "
+        f"{expected}" if isinstance(expected, int) and expected >= 0 else "none in flight",
+    )
+
+
+def _shape(value: object) -> tuple | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _entry(value: object) -> str:
+    """A checkpoint entry, described without its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and {value.dtype}"
+    if value is ABSENT:
+        return "nothing"
+    return f"{type(value).__name__} {value!r}" if isinstance(value, bool) else type(value).__name__
 
 
 def _in_flight_at(config: OuterConfig, fragment: int, step: int) -> int:
@@ -212,52 +330,6 @@ def _unexpected_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], r
 
     return [key for key in saved if key not in expected and not allowed(key)]
 
-def check_origin(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` where ``saved`` comes from another transform, another
-    outer optimizer, or (with error-feedback residuals) another world size."""
-    if saved.get("config") != config.text:
-        raise ValueError(
-            f"Arg ``saved`` was saved by {saved.get('config', 'something else')!r}; this transform is "
-            f"{config.text!r}: the schedules and payloads differ, so it cannot continue that run."
-        )
-    fields = set(state.outer_state[0]._fields) if state.outer_state else set()
-    saved_fields = {  # (a checkpoint from before states dropped unused fields marks them absent)
-        key.split(".")[2] for key in saved if key.startswith("outer.0.") and key.endswith(".present") and saved[key]
-    }
-    if saved_fields - fields:
-        raise ValueError(
-            f"Arg ``saved`` holds outer-optimizer state with fields {sorted(saved_fields)}; this transform's "
-            f"outer optimizer keeps {sorted(fields)}: it is a checkpoint of another optimizer."
-        )
-    declared = declaration(type(state.outer_state[0])) if state.outer_state else None
-    for i, leaf_state in enumerate(state.outer_state):
-        for count in declared.counts if declared else ():
-            if getattr(leaf_state, count) is not None and not saved.get(f"outer.{i}.{count}.present", False):
-                raise ValueError(
-                    f"Arg ``saved`` holds no step count for parameter {i}'s outer state (``{count}``): it was saved by "
-                    "an outer optimizer that keeps none (without a schedule or dampening), which this one needs."
-                )
-    saved_world, world = saved.get("world_size", -1), world_size()
-    if state.residuals and saved_world >= 0 and world >= 0 and saved_world != world:
-        raise ValueError(
-            f"Arg ``saved`` was saved at world size {saved_world}, this run has {world}: each rank's error-feedback "
-            "residuals are its own (what its payloads have not sent yet), so a compressed run resumes at the "
-            "world size it was saved at."
-        )
-
-
-_RANK_LOCAL_MISSING = (  # (a missing key's pattern, why it is missing), the first that matches a missing key
-    (re.compile(r"residual\.\d+\.rank(?P<rank>\d+)$"),
-     "holds no error-feedback residuals of rank {rank}: it was saved at a smaller world size. Each rank's residuals "
-     "are its own; a compressed run resumes at the world size it was saved at."),
-    (re.compile(r"in_flight\.(?P<fragment>\d+)\.snapshot\.\d+\.rank(?P<rank>\d+)$"),
-     "holds no snapshot of rank {rank} for fragment {fragment}'s synchronization in flight: it was saved at a smaller "
-     "world size. A checkpoint loads at another world size only when no delayed synchronization is in flight (save "
-     "at a step where none is, e.g. a multiple of sync_every that applies no delay)."),
-)
-"""Why an entry that differs between ranks is missing: the checkpoint was saved by
-fewer ranks."""
-
 
 def _missing(expected: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
     """The keys of ``expected`` (this transform's checkpoint of the template) that
@@ -272,37 +344,3 @@ def _missing(expected: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]
         return key == "world_size" or field_absent or idle_snapshot
 
     return [key for key, template in expected.items() if key not in saved and not may_be_absent(key, template)]
-
-
-def _why_missing(missing: list[str]) -> str:
-    """What the message says of the ``missing`` keys: why a rank-local one is missing
-    (:data:`_RANK_LOCAL_MISSING`, in its order), else the first key."""
-    for pattern, why in _RANK_LOCAL_MISSING:
-        found = next(filter(None, map(pattern.match, missing)), None)
-        if found:
-            return why.format(**found.groupdict())
-    return f"lacks ``{missing[0]}``, which this transform's checkpoint holds."
-
-
-def check_entries(expected: Mapping[str, Any], saved: Mapping[str, Any], *, kinds: bool) -> None:
-    """Every entry of ``expected`` (this transform's checkpoint of the template) is in
-    ``saved`` but those that may be absent (see :func:`_missing`); ``kinds``: and of
-    the same kind: a tensor of the same shape, and dtype but for a snapshot, which is
-    in the parameter's; the same Python type; each outer-state field present where
-    this optimizer's state has it."""
-    missing = _missing(expected, saved)
-    if missing:
-        raise ValueError(f"Arg ``saved`` {_why_missing(missing)}")
-    for key, template in expected.items() if kinds else ():
-        value = saved.get(key, template)  # (absent: one that may be)
-        if isinstance(template, torch.Tensor):
-            same = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(template.shape) and (
-                value.dtype == template.dtype or ".snapshot." in key
-            )
-        else:
-            same = type(value) is type(template) and (not key.endswith(".present") or value == template)
-        if not same:
-            raise ValueError(
-                f"Arg ``saved``: ``{key}`` is {_entry(value)}, where this transform's checkpoint holds "
-                f"{_entry(template)}: it is not a state of this transform for these parameters."
-            )

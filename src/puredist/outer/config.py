@@ -19,7 +19,8 @@ import torch
 
 from puredist._inputs import FLOAT8
 from puredist._validation import (
-    COMPUTE_DTYPE, INSTANCE, LEVELS, RANGE, check, check_hierarchy_periods, check_period, check_warmup_steps,
+    COMPUTE_DTYPE, COUNT, DEVICE, EXCLUSIVE, HOLDS_VALUES, INSTANCE, LEVELS, PERIOD, RANGE, check,
+    check_hierarchy_periods,
 )
 from puredist.compression import Compressor, check_compressor
 from puredist.optim import Optimizer
@@ -90,33 +91,28 @@ class OuterConfig:
         return f"{reason}\n  (transform: {self.text})"
 
 
+_OPTIONS = (  # (option, its rules, their bounds from the config), checked in this order
+    ("outer", (INSTANCE,), lambda c: {"kind": Optimizer, "a": "a puredist optimizer (e.g. sgd(0.7, momentum=0.9, "
+                                      "nesterov=True))"}),
+    ("comm_dtype", (COMPUTE_DTYPE,), lambda c: {"excluded": FLOAT8}),
+    ("global_dtype", (COMPUTE_DTYPE,), lambda c: {"excluded": FLOAT8}),
+    ("global_device", (DEVICE, HOLDS_VALUES), lambda c: {}),
+    ("lower_levels", (LEVELS,), lambda c: {}),
+    ("sync_every", PERIOD, lambda c: {}),
+    ("warmup_steps", COUNT, lambda c: {}),
+    ("delay", (RANGE,), lambda c: {"low": 0, "high": c.sync_every - 1, "where": f" for sync_every={c.sync_every}"}),
+    ("fragments", (RANGE,), lambda c: {"low": 1, "high": c.sync_every, "where": f" for sync_every={c.sync_every}"}),
+)
+
+
 def _check_options(config: OuterConfig) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the first bad option and its value."""
-    check("outer", config.outer, INSTANCE, kind=Optimizer,
-          a="a puredist optimizer (e.g. sgd(0.7, momentum=0.9, nesterov=True))")
-    check("comm_dtype", config.comm_dtype, COMPUTE_DTYPE, excluded=FLOAT8)
-    check("global_dtype", config.global_dtype, COMPUTE_DTYPE, excluded=FLOAT8)
-    if config.global_device is not None:
-        try:
-            device = torch.device(config.global_device)
-        except (RuntimeError, TypeError) as error:
-            raise TypeError(f"Arg ``global_device`` must be a torch.device, a device string or None, got "
-                            f"{config.global_device!r} ({error}).") from None
-        if device.type == "meta":
-            raise ValueError(f"Arg ``global_device`` {config.global_device!r}: a meta tensor holds no values to keep.")
-    check("lower_levels", config.lower_levels, LEVELS)
-    check_period(config.sync_every, arg="sync_every")
-    check_warmup_steps(config.warmup_steps)
-    where = f" for sync_every={config.sync_every}"
-    check("delay", config.delay, RANGE, low=0, high=config.sync_every - 1, where=where)
-    check("fragments", config.fragments, RANGE, low=1, high=config.sync_every, where=where)
-    compressor = config.compressor
-    if compressor is not None:
-        check_compressor(compressor)
-    if compressor is not None and config.comm_dtype is not None:
-        raise ValueError(
-            f"Args ``compressor`` ({compressor.name}) and ``comm_dtype`` ({config.comm_dtype}) are exclusive: the "
-            "compressor decides the payload."
-        )
+    """Raise ``TypeError``/``ValueError`` naming the first bad option and its value
+    (``_OPTIONS``' rules, then the compressor's and the lower levels' periods)."""
+    for option, rules, bounds in _OPTIONS:
+        check(option, getattr(config, option), *rules, **bounds(config))
+    if config.compressor is not None:
+        check_compressor(config.compressor)
+    check("comm_dtype", config.comm_dtype, EXCLUSIVE, other="compressor",
+          given=config.compressor and config.compressor.name, why="the compressor decides the payload.")
     if config.lower_levels:
         check_hierarchy_periods(tuple(config.lower_levels), arg="lower_levels")

@@ -23,7 +23,7 @@ from puredist.collectives import Collective, CollectiveError, refusing
 from puredist.compression import compressed_mean
 from puredist.optim import clone_states
 from puredist.outer.checks import (
-    check_collective, check_initial_copy, check_initial_copy_traced, check_params, check_state, initial_check_context,
+    check_collective, check_initial_copy, check_params, check_state, initial_check_context,
 )
 from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments, fragment_leaves, is_first_sync, lower_level_fragments
@@ -56,7 +56,7 @@ def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, coll
         fragments = fragment_leaves(config, leaves)
         check_collective(config, collective)
     if state.step == 0:
-        (check_initial_copy_traced if traced else check_initial_copy)(config, state, collective)
+        check_initial_copy(config, state, collective)
     return leaves, spec, fragments
 
 
@@ -93,18 +93,13 @@ def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, ob
 def _check_outer_steps(config: OuterConfig, state: OuterState, fragments) -> None:
     """Raise ``ValueError`` before anything is communicated where the outer optimizer
     would refuse a step applied at ``state``'s step (a schedule's value out of range,
-    :attr:`~puredist.Optimizer.check`): the synchronizations in flight that apply now
-    and, without a delay, those due (a fragment's first only averages)."""
-    check = config.outer.check
-    if check is None:
-        return
-    applying = {item.fragment: item.apply_step - config.delay for item in state.in_flight
-                if item.apply_step == state.step}
-    if not config.delay:
-        applying.update((f, state.step) for f in due_fragments(config, state.step))
-    for f, started in applying.items():
+    :attr:`~puredist.Optimizer.check`): the synchronizations the schedule applies now,
+    those started ``delay`` steps before (in flight, or due now without a delay; a
+    fragment's first only averages)."""
+    started = state.step - config.delay
+    for f in due_fragments(config, started) if config.outer.check is not None else ():
         if not is_first_sync(config, f, started):
-            check([state.outer_state[i] for i in fragments[f]])
+            config.outer.check([state.outer_state[i] for i in fragments[f]])
 
 
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
@@ -115,6 +110,12 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
     step was applied, the :class:`~puredist.CollectiveError` carries the state to
     continue from (``error.state``)."""
     check_state(config, state)
+    return _step_(config, params, state, collective)
+
+
+def _step_(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> OuterState:
+    """:func:`update_` of a state known to be an :class:`OuterState` (:func:`update`
+    checked it, or built it)."""
     leaves, _, fragments = _checked_inputs(config, params, state, collective, traced=False)
     _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
     in_flight = [
@@ -189,7 +190,7 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
         tuple(t.clone() for t in state.residuals),
     )
     try:
-        return tree_unflatten(spec, copies), update_(config, copies, cloned, collective=collective)
+        return tree_unflatten(spec, copies), _step_(config, copies, cloned, collective)
     except CollectiveError as error:
         if getattr(error, "state", None) is not None:  # the global copy was written into the copies
             error.params = tree_unflatten(spec, copies)
