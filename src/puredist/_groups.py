@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from puredist._group_memo import GroupMemo
 from puredist._host_groups import make_twins
+from puredist._validation import Rule, check
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,6 +73,13 @@ def subgroups_of(whole: dist.ProcessGroup, sizes: Sequence[int]) -> dict[int, di
     return {size: subgroup(whole, size) for size in dict.fromkeys(sizes) if size != world_size}
 
 
+_DIMS = Rule(lambda v, b: bool(v) and set(v) <= set(b["known"]) and len(set(v)) == len(v), ValueError,
+             "Arg ``{arg}`` {dims!r}: the mesh's dimensions are {known}; got unknown, repeated or no names.")
+_WHOLE_MESH = Rule(lambda v, b: len(b["names"]) <= 1 or v == b["world_size"], ValueError,  # v: the mesh's ranks
+                   "Arg ``{arg}`` covers {value} of the {world_size} ranks (a slice of a larger mesh): groups over "
+                   "several dimensions {names} are created by every rank together; pass the whole mesh.")
+
+
 def mesh_groups(mesh: "DeviceMesh", dims: str | Sequence[str]) -> tuple[dist.ProcessGroup, dict[int, dist.ProcessGroup]]:
     """``(whole, {size: subgroup})``: this rank's group spanning the mesh dimension(s)
     ``dims`` (outermost first) and, for several, each inner suffix's group by its size
@@ -83,16 +91,8 @@ def mesh_groups(mesh: "DeviceMesh", dims: str | Sequence[str]) -> tuple[dist.Pro
     """
     names = (dims,) if isinstance(dims, str) else tuple(dims)
     known = mesh.mesh_dim_names or ()
-    unknown = [name for name in names if name not in known]
-    if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(
-            f"Arg ``dims`` {dims!r}: the mesh's dimensions are {known}; got unknown, repeated or no names."
-        )
-    if len(names) > 1 and mesh.mesh.numel() != dist.get_world_size():
-        raise ValueError(
-            f"Arg ``mesh`` covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks (a slice of a larger "
-            f"mesh): groups over several dimensions {names} are created by every rank together; pass the whole mesh."
-        )
+    check("dims", names, _DIMS, dims=dims, known=known)
+    check("mesh", mesh.mesh.numel(), _WHOLE_MESH, names=names, world_size=dist.get_world_size())
     groups = [mesh_group(mesh, names[i:]) for i in range(len(names))]  # whole first, then inner suffixes
     subgroups = {dist.get_world_size(g): g for g in groups[1:] if dist.get_world_size(g) != dist.get_world_size(groups[0])}
     return groups[0], subgroups

@@ -26,6 +26,7 @@ from puredist._inputs import checked, checked_for_reduction
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 from puredist._validation import (
     LEVELS,
+    ONE_OF,
     check,
     check_hierarchy_group_sizes,
     check_hierarchy_periods,
@@ -149,8 +150,7 @@ def averaged_tensors(module: torch.nn.Module, *, buffers: bool = False, integer_
     Raises:
         ValueError: unknown ``integer_buffers``; with ``"error"``, an integer buffer.
     """
-    if integer_buffers not in ("skip", "error"):
-        raise ValueError(f"Arg ``integer_buffers`` must be 'skip' or 'error', got {integer_buffers!r}.")
+    check("integer_buffers", integer_buffers, ONE_OF, choices=("skip", "error"))
     tensors = dict(module.named_parameters())
     if buffers:
         for name, buffer in module.named_buffers():

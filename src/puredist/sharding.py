@@ -28,7 +28,7 @@ import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
-from puredist._validation import AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, check, is_integral
+from puredist._validation import AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, Rule, check, is_integral
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
@@ -58,6 +58,12 @@ def _outside_of(world_size: int, owners: tuple, kinds: frozenset) -> tuple[tuple
     return tuple((i, owner) for i, owner in enumerate(owners) if not is_integral(owner) or not 0 <= owner < world_size)
 
 
+_COVERS = Rule(lambda v, b: b["parameters"] is None or v == b["parameters"], ValueError,  # v: the plan's length
+               "{what} covers {value} parameters, ``params`` has {parameters}.")
+_OWNERS = Rule(lambda v, b: not v, ValueError,  # v: (parameter, owner) where the owner is no rank
+               "{what}: owners must be ranks in [0, {world_size}), got {found}.")
+
+
 @fields_documented
 class ZeroPlan(NamedTuple):
     """Ownership of every parameter (leaf order) among ``world_size`` ranks.
@@ -85,12 +91,10 @@ class ZeroPlan(NamedTuple):
         """Raise ``ValueError`` (its message starting with ``what``) unless the plan
         covers ``parameters`` (``None``: any number) and every owner is a rank in
         ``[0, world_size)``."""
-        if parameters is not None and len(self.owners) != parameters:
-            raise ValueError(f"{what} covers {len(self.owners)} parameters, ``params`` has {parameters}.")
+        check("plan", len(self.owners), _COVERS, what=what, parameters=parameters)
         outside = _outside(self.world_size, tuple(self.owners))
-        if outside:
-            found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
-            raise ValueError(f"{what}: owners must be ranks in [0, {self.world_size}), got {found}.")
+        found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
+        check("plan", outside, _OWNERS, what=what, world_size=self.world_size, found=found)
 
     def loads(self, sizes: Sequence[int]) -> list[int]:
         """Elements owned by each rank, given each parameter's element count.

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._validation import as_int
+from puredist._validation import Rule, as_int, check
 from puredist.collectives import DistributedCollective
 from puredist.sharding import ZeroPlan
 
@@ -40,25 +40,30 @@ _KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
 another optimizer at load. Subclasses and other optimizers are not checked by field."""
 
 
+_FOREIGN_FIELDS = Rule(lambda v, b: not v, ValueError,  # v: the fields of a saved entry its optimizer does not keep
+                       "Arg ``{arg}``: the state of parameter {index} has {value}, which {name} does not keep ({kept}): "
+                       "a checkpoint of another optimizer?")
+_FIELD_SHAPE = Rule(lambda v, b: v is None, ValueError,  # v: (field, its shape) of the first misshapen tensor field
+                    "Arg ``{arg}``: ``{value[0]}`` of parameter {index} has shape {value[1]}, the parameter {shape}.")
+_RANK = Rule(lambda v, b: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < b["stop"], ValueError,
+             "Arg ``{arg}`` must be a rank of the group, in [0, {stop}), got {value!r}.")
+_GROUPS = (  # v: (saved param groups, this optimizer's); torch's messages
+    Rule(lambda v, b: len(v[0]) == len(v[1]), ValueError, "loaded state dict has a different number of parameter groups"),
+    Rule(lambda v, b: all(len(s["params"]) == len(g["params"]) for s, g in zip(*v)), ValueError,
+         "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"),
+)
+
+
 def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
     """Raise ``ValueError`` unless ``entry`` can be a state of ``optimizer_class``
     for ``param`` (checked by field for torch's own optimizers)."""
-    if optimizer_class not in _KNOWN_STATE:
-        return
-    shaped, scalars = _KNOWN_STATE[optimizer_class]
-    unknown = sorted(set(entry) - shaped - scalars)
-    if unknown:
-        raise ValueError(
-            f"Arg ``state_dict``: the state of parameter {index} has {unknown}, which "
-            f"{optimizer_class.__name__} does not keep ({sorted(shaped | scalars)}): a checkpoint of another optimizer?"
-        )
-    for field in shaped & set(entry):
-        value = entry[field]
-        if isinstance(value, torch.Tensor) and value.shape != param.shape:
-            raise ValueError(
-                f"Arg ``state_dict``: ``{field}`` of parameter {index} has shape {tuple(value.shape)}, "
-                f"the parameter {tuple(param.shape)}."
-            )
+    shaped, scalars = _KNOWN_STATE.get(optimizer_class, (None, None))
+    if shaped is not None:
+        check("state_dict", sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index,
+              name=optimizer_class.__name__, kept=sorted(shaped | scalars))
+        misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
+                     if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
+        check("state_dict", next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))
 
 
 _NOT_SETTINGS = ("params", "param_names")
@@ -82,8 +87,7 @@ def gathered_state(collective: DistributedCollective, plan: ZeroPlan, iteration:
             consolidates) would gather states of different sizes.
     """
     to = as_int(to)  # (numpy's ints too, as torch takes them)
-    if not (isinstance(to, int) and not isinstance(to, bool) and 0 <= to < collective.world_size):
-        raise ValueError(f"Arg ``to`` must be a rank of the group, in [0, {collective.world_size}), got {to!r}.")
+    check("to", to, _RANK, stop=collective.world_size)
     collective.check_same_on_all_ranks(
         params, context=f"plan {plan.digest()} step {iteration} consolidate to {to}",
         what="ZeroRedundancyOptimizer.consolidate_state_dict",
@@ -127,10 +131,7 @@ def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any
             checked for every parameter, owned or not, so every rank decides alike.
     """
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(param_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, param_groups)):
-        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    check("state_dict", (saved_groups, param_groups), *_GROUPS)
     saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
     params = [p for group in param_groups for p in group["params"]]
     group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from puredist._validation import Rule, check
 from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from puredist.collectives import CollectiveHandle
 from puredist.sharding import plan_zero, reverse_order_buckets
@@ -135,32 +136,33 @@ class _OverlappedIteration:
         zero._end_iteration()
 
 
+_OVERLAPPED = Rule(lambda v, b: v._overlap_with_ddp, ValueError,  # torch's
+                   "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook properly")
+_NO_UNUSED = Rule(lambda v, b: not v.find_unused_parameters, ValueError,
+                  "The ZeRO overlap hooks do not support DDP(find_unused_parameters=True): DDP leaves unused "
+                  "parameters' .grad untouched while their bucket slots hold zeros, so the step cannot tell "
+                  "them apart. Use find_unused_parameters=False, or the non-overlapped ZeroRedundancyOptimizer.")
+_NOT_IGNORED = Rule(lambda v, b: not v, ValueError,  # v: the names of the parameters ``zero`` holds that DDP ignores
+                    "Arg ``{arg}`` optimizes parameters DDP ignores ({names}): their gradients never reach "
+                    "the hook, so they would never be stepped. Optimize them with an optimizer of their own.")
+_EACH_ONCE = Rule(  # v: the index in ``zero`` of each parameter DDP trains (-1: not in ``zero``), sorted
+    lambda v, b: v[:1] != [-1] and len(set(v)) == len(v) and not b["trains_frozen"], ValueError,
+    "Arg ``{arg}`` must optimize the parameters of ``ddp`` that require grad, each once (and may hold "
+    "parameters that do not).")
+
+
 def _hook_with_zero(hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool, interleaved: bool):
-    if not zero._overlap_with_ddp:
-        raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook properly")
-    if ddp.find_unused_parameters:
-        raise ValueError(
-            "The ZeRO overlap hooks do not support DDP(find_unused_parameters=True): DDP leaves unused "
-            "parameters' .grad untouched while their bucket slots hold zeros, so the step cannot tell "
-            "them apart. Use find_unused_parameters=False, or the non-overlapped ZeroRedundancyOptimizer."
-        )
+    check("zero", zero, _OVERLAPPED)
+    check("ddp", ddp, _NO_UNUSED)
     params = zero._all_params
     index_of = {id(p): i for i, p in enumerate(params)}
     ignored = [name for name, p in ddp.module.named_parameters() if name in ddp.parameters_to_ignore
                and p.requires_grad and id(p) in index_of]
-    if ignored:
-        raise ValueError(
-            f"Arg ``zero`` optimizes parameters DDP ignores ({', '.join(ignored)}): their gradients never reach "
-            "the hook, so they would never be stepped. Optimize them with an optimizer of their own."
-        )
+    check("zero", ignored, _NOT_IGNORED, names=", ".join(ignored))
     ddp_params = [p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ddp.parameters_to_ignore]
     trained = sorted(index_of.get(id(p), -1) for p in ddp_params)
     frozen = set(range(len(params))) - set(trained)  # never in DDP's buckets, never stepped (as in torch)
-    if trained[:1] == [-1] or len(set(trained)) != len(trained) or any(params[i].requires_grad for i in frozen):
-        raise ValueError(
-            "Arg ``zero`` must optimize the parameters of ``ddp`` that require grad, each once (and may hold "
-            "parameters that do not)."
-        )
+    check("zero", trained, _EACH_ONCE, trains_frozen=any(params[i].requires_grad for i in frozen))
     layout = reverse_order_buckets(
         [p.numel() * p.element_size() for p in ddp_params], ddp.bucket_bytes_cap, _first_bucket_bytes_cap(ddp)
     )

@@ -28,7 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from puredist._validation import check
 from puredist.classic._zero_arguments import (  # noqa: F401 (OVERLAP_OPTIMIZERS: importable from here, as it was)
+    BUILT,
+    ONE_GROUP,
     OVERLAP_OPTIMIZERS,
     check_dense_on_one_device,
     listed_params,
@@ -145,8 +148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.initialized = False  # (torch's flag: set once built)
         super().__init__(params, defaults)
         Joinable.__init__(self)
-        if overlap_with_ddp and len(self.param_groups) > 1:
-            raise ValueError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group")
+        check("param_groups", len(self.param_groups), ONE_GROUP, overlap=overlap_with_ddp)
         check_dense_on_one_device(self._all_params, "params")
         self._adopt_plan(plan_zero([p.numel() for p in self._all_params], self._collective.world_size))
         self.initialized = True
@@ -197,11 +199,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             {**hyper_parameters(group), "params": self._owned(plan, g)} for g, group in enumerate(self.param_groups)
         ]
         optim = self._optimizer_class(local_groups, **self.defaults)
-        if not isinstance(optim, torch.optim.Optimizer):
-            raise TypeError(
-                f"Arg ``optimizer_class`` must build a torch.optim.Optimizer, got {type(optim).__name__} from "
-                f"{getattr(self._optimizer_class, '__name__', repr(self._optimizer_class))}."
-            )
+        check("optim", optim, BUILT, name=getattr(self._optimizer_class, "__name__", repr(self._optimizer_class)))
         self._collective.check_same_on_all_ranks(
             self._all_params, context=plan.digest(), what="ZeroRedundancyOptimizer's plan"
         )
