@@ -142,6 +142,16 @@ class RankMismatchError(RuntimeError):
             f"them from one rank, as DDP does at construction). Checked: {what}."
         )
 
+    @classmethod
+    def of_replicas(cls, at: str, contributors: int) -> "RankMismatchError":
+        """The error of torchft's rank check at ``at``, whose summed rows (no
+        per-replica summaries: one all-reduce) tell only that the replicas disagree,
+        or, with no ``contributors``, that every one is healing."""
+        reason = ("no replica contributes (every one is healing)" if contributors < 1 else
+                  "the replicas passed different tensor layouts or contexts, or committed different histories "
+                  "(a step that some replicas committed and others redid in a quorum without them)")
+        return cls(f"{at}: {reason}; nothing was changed.", layouts_differ=contributors >= 1)
+
 
 class Healed(Exception):
     """The quorum a :class:`~puredist.ft.ManagerCollective` started healed this replica (the manager

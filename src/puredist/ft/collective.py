@@ -337,10 +337,7 @@ class ManagerCollective:
         at = f"{what} at torchft step {self.manager.current_step()}"
         error = None
         if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
-            reason = ("no replica contributes (every one is healing)" if count < 1 else
-                      "the replicas passed different tensor layouts or contexts, or committed different histories "
-                      "(a step that some replicas committed and others redid in a quorum without them)")
-            error = RankMismatchError(f"{at}: {reason}; nothing was changed.", layouts_differ=count >= 1)
+            error = RankMismatchError.of_replicas(at, count)
         elif refusing:
             error = ValueError(f"{at}: {refusing} replica(s) refused the step; nothing was changed.")
         if error is not None:  # every replica votes against the step, then raises
