@@ -486,6 +486,32 @@ def test_a_state_type_declares_every_field_and_the_factory_takes_only_declared_o
         opt.update_([torch.ones(3)], [torch.ones(3)], opt.init([torch.ones(2)]))
 
 
+def test_an_optimizer_made_with_make_optimizer_has_its_plain_hyper_parameters_checked_when_made():
+    """As its docstring says: a number is checked when the optimizer is made (by
+    ``validate``, default a non-negative number, ``betas`` in [0, 1)), a schedule's
+    values at the update; nothing is stepped with a refused value."""
+    from puredist.optim import Count, Shaped, make_optimizer, param_state
+
+    @param_state(elementwise=True)
+    class Plain(NamedTuple):
+        count: Count
+        buffer: Shaped
+
+    def make(**hypers):
+        return make_optimizer(Plain, lambda p: Plain(torch.zeros(()), torch.zeros_like(p)),
+                              lambda params, grads, states, traced, **values: list(states), hypers=hypers)
+
+    with pytest.raises(ValueError, match=r"``lr``.*-1"):
+        make(lr=-1)
+    with pytest.raises(ValueError, match="betas"):
+        make(betas=(0.9, 1.5))
+    make(lr=0.1, betas=(0.9, 0.99))
+    opt = make(lr=lambda count: -1.0)  # a schedule: its value is checked at the update, before any step
+    param = torch.ones(2)
+    with pytest.raises(ValueError, match=r"``lr``.*-1"):
+        opt.update_([param], [torch.ones(2)], opt.init([param]))
+
+
 def test_the_optim_package_imports_no_distribution_and_its_modules_form_no_cycle():
     """Its contract ("must not communicate"), checked on the imports themselves (those
     under ``TYPE_CHECKING`` included): nothing of the collectives, ZeRO or DiLoCo, and

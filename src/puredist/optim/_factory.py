@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._validation import Rule, check
-from puredist.optim._checks import check_fits, check_hyper
+from puredist.optim._checks import check_fits, check_hyper, check_hypers
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
@@ -92,6 +92,7 @@ def make_optimizer(
 
     Raises:
         TypeError: ``state_type`` was not declared with ``param_state``.
+        ValueError: ``validate`` refuses a hyper-parameter that is not a schedule.
     """
     declared = declaration(state_type)
     if declared is None:
@@ -99,6 +100,7 @@ def make_optimizer(
             f"Arg ``state_type`` ({state_type!r}) must be declared with @puredist.optim.param_state(elementwise=...)."
         )
     hypers = dict(hypers or {})
+    check_hypers(hypers, scheduled=list(hypers), validate=validate)  # (a schedule's values: at the update)
     config = config_text(kind, **hypers) if config is None else config
     step, check_states = with_schedules(hypers, run, check or _nothing_to_check, validate)
     built = _Built(init_leaf, step, check_states, differentiable, config.split("(")[0] or "this optimizer",
