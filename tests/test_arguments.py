@@ -189,3 +189,25 @@ def _with_subgroups_of_an_iterator(rank, world_size):
 def test_subgroup_sizes_given_as_an_iterator_are_read_once():
     for sizes, values in run_workers(_with_subgroups_of_an_iterator, 2):
         assert sizes == (1, 2) and values in ([0.0, 0.0], [1.0, 1.0])
+
+
+def test_a_numpy_int_group_size_is_taken_where_an_int_is_and_a_float_refused():
+    """A group size is an integral number (numpy's too, as the configuration reads
+    it); 2.0 and True are refused by name, however equal to a size they compare."""
+    from puredist.collectives.base import check_group_sizes
+
+    collective = SimulatedCollective(4)
+    check_group_sizes(collective, [np.int64(2), 4], arg="lower_levels")
+    for bad in (2.0, True):
+        with pytest.raises(ValueError, match=rf"``lower_levels`` {bad} must be a size of group"):
+            check_group_sizes(collective, [bad], arg="lower_levels")
+    runs = []
+    for size in (np.int64(2), 2):  # the same steps as with the int
+        transform = puredist.outer_optimizer(puredist.sgd(lr=0.7), sync_every=4, lower_levels={1: size})
+        params = [torch.zeros(4, 2)]
+        state = transform.init(params)
+        for _ in range(2):
+            params[0].add_(torch.arange(4.0).view(4, 1))  # each replica drifts its own way
+            state = transform.update_(params, state, collective=collective)
+        runs.append(params[0])
+    assert torch.equal(*runs) and runs[0][:, 0].unique().numel() == 2  # two groups of two averaged

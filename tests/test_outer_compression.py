@@ -178,6 +178,13 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit_and_stays_on_its_world_size():
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
     with pytest.raises(ValueError, match="no error-feedback residuals of rank 1"):
         transform.load_state_dict(transform.init(params), saved, rank=1)
+    merged = {**saved, **transform.state_dict(state, rank=1)}  # one file of both ranks' entries loads on each
+    for rank in (0, 1):
+        alone = transform.load_state_dict(transform.init(params), transform.state_dict(state, rank=rank), rank=rank)
+        both = transform.load_state_dict(transform.init(params), merged, rank=rank)
+        want, got = transform.state_dict(alone, rank=rank), transform.state_dict(both, rank=rank)
+        assert want.keys() == got.keys()
+        assert all(torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k] for k, v in want.items())
 
 
 def test_a_compressor_and_a_comm_dtype_are_exclusive():

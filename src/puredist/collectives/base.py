@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from puredist.errors import RankMismatchError
-from puredist._validation import Rule, check, check_each
+from puredist._validation import Rule, check, check_each, is_integral
 from puredist.staging import CollectiveHandle
 
 __all__ = [
@@ -107,7 +107,7 @@ def check_is_collective(collective: object) -> None:
 
 
 def _is_group_size(value: object, bounds: dict) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value in bounds["sizes"])
+    return value is None or (is_integral(value) and value in bounds["sizes"])  # (numpy's ints too; not 2.0 or True)
 
 
 def group_size_rule(allowed: str) -> Rule:

@@ -148,6 +148,7 @@ class DistributedCollective(Collective):
         self._world_size = dist.get_world_size(self.process_group) if self._is_member else 0
         self._groups: dict[int, dist.ProcessGroup] = dict(subgroups or {})
         self._groups[self._world_size] = self.process_group
+        self._group_sizes = tuple(sorted(self._groups))  # (read by every call's group_size check)
         backends = backends_by_device(self.process_group) if self._is_member else None
         self._pool = StagingPool(bucket_cap_bytes, backends=backends)
         self._options = _cap_options(bucket_cap_bytes, backends or {})
@@ -200,7 +201,7 @@ class DistributedCollective(Collective):
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self._groups))
+        return self._group_sizes
 
     @property
     def is_member(self) -> bool:
