@@ -77,8 +77,10 @@ class Collective(Protocol):
 
     def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
         """Every rank's digests of the values of ``tensors``, one row per rank (one int
-        per tensor, :func:`puredist._consistency.value_digest`; a tensor the same on
-        every rank by construction may read 0 on each), the same rows on every rank;
+        per tensor, equal to the first row's exactly where the rank's values are the
+        first rank's: across processes :func:`puredist._consistency.value_digest`; where
+        every rank is in this process, 1 where they differ, else 0; a tensor the
+        same on every rank by construction may read 0 on each), the same rows on every rank;
         ``[]`` where this rank has no peer to compare with. Where ranks can disagree on
         more than values, their tensors' layouts and ``context`` (as for :meth:`mean_`)
         are checked first, raising :class:`~puredist.RankMismatchError`."""
