@@ -50,3 +50,76 @@ def per_module(package: pathlib.Path) -> dict[str, tuple[int, int]]:
     ``package`` but ``demo/``'s."""
     return {str(path.relative_to(package)): count(path)
             for path in sorted(package.rglob("*.py")) if "demo" not in path.relative_to(package).parts}
+
+
+CHECK_MODULES = ("_validation.py", "_inputs.py", "_consistency.py")
+"""The modules that hold checks by kind: an argument's value (rules as data),
+a tensor given (what a collective or step refuses of it, what it must fit), the
+ranks' agreement. Every other module holds one-line guards only."""
+
+
+def _is_guard(statement: ast.stmt) -> bool:
+    """A docstring, a ``return``, an ``if ...: raise`` guard, or a call of a check."""
+    if isinstance(statement, ast.If):
+        return len(statement.body) == 1 and isinstance(statement.body[0], ast.Raise) and not statement.orelse
+    if isinstance(statement, ast.Return):
+        return True
+    if isinstance(statement, ast.Expr):
+        value, called = statement.value, getattr(statement.value, "func", None)
+        name = getattr(called, "id", None) or getattr(called, "attr", "")
+        return (isinstance(value, ast.Constant) and isinstance(value.value, str)) or bool(_CHECK.match(name))
+    return False
+
+
+class _CheckLogic(ast.NodeVisitor):
+    """Where a module checks by more than one-line guards (see :func:`check_logic`)."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+        self._handlers = 0
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        if _CHECK.match(node.name) and not all(map(_is_guard, node.body)):
+            self.found.append(f"{node.name} (line {node.lineno})")
+        body = [s for s in node.body if not _is_guard(s) or isinstance(s, ast.If)]
+        if len(body) == 1 and isinstance(body[0], ast.Raise):
+            return  # raising is the function's job: an abstract method, a refusing rule, an error's builder
+        self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        self._handlers += 1
+        self.generic_visit(node)
+        self._handlers -= 1
+
+    def visit_If(self, node: ast.If) -> None:
+        if not _is_guard(node):
+            self.generic_visit(node)
+        else:
+            self.visit(node.test)
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        if not self._handlers and node.cause is None:
+            self.found.append(f"raise (line {node.lineno})")
+
+
+def check_logic(path: pathlib.Path) -> list[str]:
+    """Where the module at ``path`` checks by more than one-line guards: each function
+    named as a check (``check``, ``validate``, ``refuse``, ``require``, ``ensure``)
+    whose body holds anything but guards (its docstring, ``return``, ``if ...: raise``,
+    a call of another check), and each ``raise`` outside an ``if ...: raise`` guard,
+    but in an ``except`` clause or ``raise ... from cause`` (an error translated or
+    passed on: the failure path, not a check) or as a function's whole body (raising
+    is its job: an abstract method, a rule that refuses, an error's builder)."""
+    visitor = _CheckLogic()
+    visitor.visit(ast.parse(path.read_text()))
+    return visitor.found
+
+
+def modules_with_check_logic(package: pathlib.Path) -> dict[str, list[str]]:
+    """``{module path: check_logic(module)}`` for the modules of ``package`` (``demo/``
+    aside) that check by more than one-line guards."""
+    found = {str(path.relative_to(package)): check_logic(path)
+             for path in sorted(package.rglob("*.py")) if "demo" not in path.relative_to(package).parts}
+    return {module: where for module, where in found.items() if where}
