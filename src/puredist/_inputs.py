@@ -12,7 +12,7 @@ late in a list can never leave the earlier ones averaged and the later ones not:
   each would be reduced from values the other has already replaced (views that
   interleave without a common element, such as a matrix's column slices, are told
   apart exactly where both step through memory alike, else element by element up to
-  :data:`_EXACT_SPAN` elements);
+  :data:`puredist._memory._EXACT_SPAN` elements);
 - an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
   it there), a conjugate view of a complex tensor (it has no real view) and a
   negated view (``z.conj().imag``: torch's multi-tensor copy cannot write it).
@@ -31,6 +31,7 @@ import torch
 
 from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
 from puredist._layout import Layout, layout_of
+from puredist._memory import byte_span, may_overlap_itself, share_elements
 
 FLOAT8 = tuple(
     getattr(torch, name)
@@ -39,65 +40,12 @@ FLOAT8 = tuple(
 )
 
 
-def transforms_active() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running around
-    this call: only then can a tensor be wrapped by one. One look at functorch's
-    interpreter stack (private: ``torch._C._functorch.peek_interpreter_stack``, as
-    ``torch._functorch.pyfunctorch`` reads it), instead of one per tensor. ``False``
-    while ``torch.compile`` traces (a compiled function sees plain tensors)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def vmap_levels(tensor: torch.Tensor) -> set[int]:
-    """The levels of the ``vmap`` transforms that map ``tensor``, looked for through
-    any other wrappers (``torch.func.grad``'s keep one value). (private:
-    ``torch._C._functorch``'s wrapper queries)"""
-    functorch, levels = torch._C._functorch, set()
-    while functorch.is_functorch_wrapped_tensor(tensor):
-        if functorch.is_batchedtensor(tensor):
-            levels.add(functorch.maybe_get_level(tensor))
-        tensor = functorch.get_unwrapped(tensor)
-    return levels
-
-
-def is_transformed(tensor: object) -> bool:
-    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (mapped by ``vmap``,
-    tracked by ``grad``): its values cannot be read on the host, nor its memory.
-    (private: ``torch._C._functorch.is_functorch_wrapped_tensor``)"""
-    return (
-        transforms_active()
-        and isinstance(tensor, torch.Tensor)
-        and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-    )
-
-
 def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
     """How messages name a tensor: its position and (but a nested tensor, which has no
     shape) its shape, dtype and device."""
     if tensor.is_nested:
         return f"{noun} {position}"
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
-
-
-def _may_overlap_itself(tensor: torch.Tensor) -> bool:
-    """Whether two elements of ``tensor`` may share memory: unless, taking its
-    dimensions by increasing stride, each stride steps over everything the smaller
-    ones span (true of every contiguous tensor, permutation and slice)."""
-    spanned = 0
-    for size, stride in sorted(((n, abs(s)) for n, s in zip(tensor.shape, tensor.stride()) if n > 1), key=lambda d: d[1]):
-        if stride <= spanned:
-            return True
-        spanned += (size - 1) * stride
-    return False
-
-
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` bytes of memory ``tensor`` may touch."""
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.data_ptr()
-    return start, start + (extent + 1) * tensor.element_size()
 
 
 class Checked(list):
@@ -250,7 +198,7 @@ _REFUSALS = (  # in order: the first that applies is raised (lambdas: torch.comp
     _Refusal(True, lambda t: t.is_neg(), ValueError,
              " is a negated view (e.g. z.conj().imag), which torch's multi-tensor copy cannot write; average the "
              "tensor it views instead (the mean of the negations is the negation of the mean)."),
-    _Refusal(True, _may_overlap_itself, ValueError,
+    _Refusal(True, may_overlap_itself, ValueError,
              " has overlapping elements (strides {strides}, e.g. from expand()): its mean cannot be written back; "
              "pass a contiguous copy."),
 )
@@ -282,84 +230,15 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
     return tuple(converted)
 
 
-_EXACT_SPAN = 1 << 22
-"""Elements up to which two tensors whose byte ranges overlap are compared element by
-element (an int64 index per element of their common range: 32 MiB); beyond, they are
-taken to share memory."""
-
-
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b``, whose byte ranges overlap, have an element in common:
-    exactly for views of one element size on one grid (column slices, even and odd
-    elements, a complex tensor's real and imaginary parts), else assumed."""
-    size = a.element_size()
-    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
-    start, end = min(a_start, b_start), max(a_end, b_end)
-    if b.element_size() != size or (a_start - b_start) % size:
-        return True
-    exact = _share_on_one_lattice(a, b, (b_start - a_start) // size)
-    if exact is not None:
-        return exact
-    if (end - start) // size > _EXACT_SPAN:
-        return True
-    grid = torch.arange((end - start) // size)  # the common range's elements, numbered
-
-    def elements(tensor: torch.Tensor, first: int) -> torch.Tensor:
-        return grid.as_strided(tensor.shape, tensor.stride(), (first - start) // size).reshape(-1)
-
-    return bool(torch.isin(elements(a, a_start), elements(b, b_start)).any())
-
-
-def _share_on_one_lattice(a: torch.Tensor, b: torch.Tensor, offset: int) -> bool | None:
-    """Whether ``a`` and ``b`` (same element size; ``b`` starts ``offset`` elements
-    after ``a``) have an element in common, where both step through memory with the
-    same strides (column slices of one matrix, of any size); ``None`` elsewhere, or
-    where the search below would take more than ``_LATTICE_STEPS`` steps.
-
-    An element is shared iff ``offset = sum_d k_d * stride_d`` for some index
-    differences ``-(b.shape[d] - 1) <= k_d <= a.shape[d] - 1``. Largest stride first,
-    only the ``k_d`` that leave a remainder the smaller strides can still reach are
-    tried: one or two per dimension for views of one tensor."""
-    if a.stride() != b.stride():
-        return None
-    dims = sorted((stride, n - 1, m - 1) for stride, n, m in zip(a.stride(), a.shape, b.shape) if n > 1 or m > 1)
-    reach = []  # per dimension: the lowest and highest sum the smaller strides' terms reach
-    low = high = 0
-    for stride, up, down in dims:
-        reach.append((low, high))
-        low, high = low - down * stride, high + up * stride
-    steps = [0]
-
-    def solvable(d: int, rest: int) -> bool | None:
-        if d < 0:
-            return rest == 0
-        steps[0] += 1
-        if steps[0] > _LATTICE_STEPS:
-            return None
-        (stride, up, down), (low, high) = dims[d], reach[d]
-        undecided = False
-        for k in range(max(-down, -((high - rest) // stride)), min(up, (rest - low) // stride) + 1):
-            found = solvable(d - 1, rest - k * stride)
-            if found:
-                return True
-            undecided = undecided or found is None
-        return None if undecided else False
-
-    return solvable(len(dims) - 1, offset)
-
-
-_LATTICE_STEPS = 256
-
-
 def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:
     # sorted by (device, start): the tensors whose ranges overlap one's are those after it that start inside it
-    spans = sorted((str(t.device), *_byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
+    spans = sorted((str(t.device), *byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
     for i, (device, _, end, first) in enumerate(spans):
         for j in range(i + 1, len(spans)):
             next_device, start, _, second = spans[j]
             if next_device != device or start >= end:
                 break
-            if not _share_elements(tensors[first], tensors[second]):
+            if not share_elements(tensors[first], tensors[second]):
                 continue  # interleaved, each element its own
             a, b = sorted((first, second))
             raise ValueError(

@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 from torch.library import custom_op
 
-from puredist._inputs import checked_for_reduction, vmap_levels
+from puredist._inputs import checked_for_reduction
+from puredist._transforms import vmap_levels
 from puredist._validation import BELOW, INT, Rule, check
 from puredist.collectives.base import Collective, block_mean
 from puredist.collectives.simulated import ReplicaGroups, replica_digests

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._inputs import is_transformed
+from puredist._transforms import is_transformed
 from puredist._validation import NON_NEGATIVE_INT
 from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
