@@ -246,3 +246,21 @@ def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> Non
                 "views): each would be averaged from values the other already replaced. Pass each "
                 "tensor once."
             )
+
+
+def check_stacked(tensors: Sequence[torch.Tensor], rows: int, *, arg: str, noun: str, why: str) -> None:
+    """Raise ``ValueError`` unless every tensor is stacked ``[rows, *shape]`` (a row
+    per replica): "``arg``: noun i has shape s; " and ``why`` (formatted with
+    ``rows``). ``arg``: an argument's name (quoted as one) or what the tensors are."""
+    for position, tensor in enumerate(tensors):
+        if tensor.dim() == 0 or tensor.shape[0] != rows:
+            subject = f"Arg ``{arg}``" if arg.isidentifier() else arg
+            raise ValueError(f"{subject}: {noun} {position} has shape {tuple(tensor.shape)}; {why.format(rows=rows)}")
+
+
+def check_tensors(values: Sequence[object], *, arg: str, noun: str) -> None:
+    """Raise ``TypeError`` naming the first of ``values`` (the elements of the argument
+    ``arg``) that is not a tensor: "Arg ``arg``: noun i is a T, not a tensor."."""
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        i, bad = next((i, v) for i, v in enumerate(values) if not isinstance(v, torch.Tensor))
+        raise TypeError(f"Arg ``{arg}``: {noun} {i} is a {type(bad).__name__}, not a tensor.")
