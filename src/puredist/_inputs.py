@@ -25,6 +25,7 @@ refused.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
 from puredist._layout import Layout, layout_of
 from puredist._memory import byte_span, may_overlap_itself, share_elements
+from puredist._validation import HOLDS, check, check_same_shapes
 
 FLOAT8 = tuple(
     getattr(torch, name)
@@ -264,3 +266,39 @@ def check_tensors(values: Sequence[object], *, arg: str, noun: str) -> None:
     if not all(isinstance(v, torch.Tensor) for v in values):
         i, bad = next((i, v) for i, v in enumerate(values) if not isinstance(v, torch.Tensor))
         raise TypeError(f"Arg ``{arg}``: {noun} {i} is a {type(bad).__name__}, not a tensor.")
+
+
+def check_float_leaves(leaves: Sequence[torch.Tensor], layout: Layout, *, arg: str, needs: str) -> None:
+    """Raise, once per ``layout`` (theirs), ``TypeError`` on a leaf whose dtype is not
+    floating point ("Arg ``arg``: leaf i has dtype d; " and ``needs``), ``ValueError``
+    on a DTensor with a ``Partial`` placement."""
+    layout.derived(("float leaves", arg), lambda: _float_leaves(leaves, arg, needs))
+
+
+def _float_leaves(leaves: Sequence[torch.Tensor], arg: str, needs: str) -> bool:
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``{arg}``: leaf {position} has dtype {leaf.dtype}; {needs}.")
+        check_not_pending(leaf, arg, lambda: f"leaf {position}")
+    return True
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def check_residuals(leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor], layout: Layout, *,
+                    arg: str) -> None:
+    """Raise ``ValueError`` (naming the argument ``arg``) unless ``residuals`` are one
+    fp32 tensor per leaf (``leaves`` of ``layout``), shaped as its local shard (a
+    compressed averaging's payloads' sizes follow from them: a residual of another
+    shape would broadcast, or make this rank's payloads another size than its peers')."""
+    check(arg, len(residuals), HOLDS, what="residuals", count=len(leaves), per="leaves")
+    shards = leaves
+    if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
+        shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
+    check_same_shapes(arg, list(map(_SHAPE, residuals)), list(map(_SHAPE, shards)), what="residual",
+                      other="its leaf", tail=".")
+    if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
+        i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
+        raise ValueError(f"Arg ``{arg}``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
+                         "makes them).")
