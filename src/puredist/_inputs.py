@@ -26,6 +26,7 @@ refused.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
 from puredist._layout import Layout, layout_of
 from puredist._memory import byte_span, may_overlap_itself, share_elements
-from puredist._validation import HOLDS, check, check_same_shapes
+from puredist._validation import HOLDS, Rule, check, check_same_shapes
 
 FLOAT8 = tuple(
     getattr(torch, name)
@@ -302,3 +303,92 @@ def check_residuals(leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Te
         i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
         raise ValueError(f"Arg ``{arg}``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
                          "makes them).")
+
+
+class KernelRefusal(NamedTuple):
+    """What an optimizer's fused kernel would refuse or step wrongly from inside the
+    step: a row of the table :func:`check_kernel_takes` reads.
+
+    Attributes:
+        kernel: the optimizer whose fused kernel it is (``None``: every one).
+        eager_only: only where the step runs eagerly (compiled, the fused kernel
+            does not run).
+        any_may: ``any_may(params)``: whether some parameter may be refused, read
+            without a Python frame per parameter (the usual path).
+        refuses: ``refuses(param)``.
+        error: the exception raised.
+        why: the message's reason, formatted with the first refused parameter's
+            position ``i`` and ``dtype``.
+    """
+
+    kernel: str | None
+    eager_only: bool
+    any_may: Callable[[Sequence[torch.Tensor]], bool]
+    refuses: Callable[[torch.Tensor], bool]
+    error: type[Exception]
+    why: str
+
+
+def check_kernel_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str,
+                       refusals: Sequence[KernelRefusal]) -> None:
+    """Where ``fused``, raise, naming the argument, before anything is stepped where
+    the fused kernel of the optimizer ``name`` would raise its own error from inside
+    the step or step wrongly: the first of ``refusals`` (in order) that applies to
+    ``name`` (and, compiled, is not ``eager_only``), at its first refused parameter:
+    "Arg ``fused`` of name: why; nothing was stepped. ..."."""
+    if not fused:
+        return
+    for refusal in refusals:
+        if refusal.kernel not in (None, name) or (refusal.eager_only and torch.compiler.is_compiling()):
+            continue
+        refused = [i for i, p in enumerate(params) if refusal.refuses(p)] if refusal.any_may(params) else []
+        if refused:
+            why = refusal.why.format(i=refused[0], dtype=params[refused[0]].dtype)
+            raise refusal.error(
+                f"Arg ``fused`` of {name}: {why}; nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+            )
+
+
+def check_fits(leaves: Sequence[torch.Tensor] | None, states: Sequence[NamedTuple],
+               grads: Sequence[torch.Tensor | None], *, shaped_field: Callable[[Sequence[NamedTuple]], str | None],
+               name: str, takes_sparse: bool) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
+    buffer (its field ``shaped_field(states)``, ``None``: none) has another shape than
+    its parameter (a state made for other parameters: the kernels would step some
+    parameters, then fail), or a gradient (``None`` skips its parameter) has another
+    shape than its parameter, or is sparse for an optimizer ``name`` that takes none
+    (as ``torch.optim.Adam`` refuses). ``leaves`` ``None``: nothing to fit."""
+    if leaves is None:
+        return
+    field = shaped_field(states)
+    buffers = [getattr(state, field) for state in states] if field else []  # (comprehensions: torch.compile traces them)
+    if buffers and buffers[0] is not None:  # (SGD before its first step: no buffer yet)
+        check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
+                          other="its state's buffers", tail=": a state made by init for other parameters. Nothing was "
+                          "stepped.")
+    shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
+    check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
+                      what="gradient", other="its parameter", tail=". Nothing was stepped.")
+    if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
+        i = next(i for i, g in enumerate(grads) if g is not None and g.is_sparse)
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} is sparse; {name} takes dense gradients only (torch.optim's neither: "
+            "consider torch.optim.SparseAdam). Nothing was stepped."
+        )
+
+
+_NOT_TENSORS = Rule(lambda states, b: not (states and all(isinstance(s, torch.Tensor) for s in states)), ValueError,
+                    "Arg ``{arg}`` holds tensors where per-parameter states belong: were the arguments given in "
+                    "optax's order, update(grads, state, params)? puredist's is update(params, grads, state), as "
+                    "torch.optim's step updates the parameters.")
+"""A state's rule where it is not per-parameter states: not tensors (arguments swapped)."""
+
+
+def check_state_count(states: Sequence[object], count: int, declared: Callable[[type], object]) -> None:
+    """Raise ``ValueError`` unless ``states`` (the argument ``state``'s, in leaf order)
+    are ``count`` per-parameter states, each of a type ``declared`` knows (it returns
+    its declaration, else ``None``): tensors there name the arguments' order (optax's),
+    anything else the count."""
+    if len(states) != count or not all(map(declared, set(map(type, states)))):
+        check("state", states, _NOT_TENSORS)
+        raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
