@@ -392,3 +392,54 @@ def check_state_count(states: Sequence[object], count: int, declared: Callable[[
     if len(states) != count or not all(map(declared, set(map(type, states)))):
         check("state", states, _NOT_TENSORS)
         raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
+
+
+def check_params_fit(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], residuals: Sequence[object], *,
+                     same_dtype: bool, compressor: str | None) -> None:
+    """Raise ``ValueError`` unless ``leaves`` (the argument ``params``') are the
+    parameters a state was made for: as many as its global ``copies``, of the same
+    shapes (and dtypes, where ``same_dtype``: the copies keep the parameters' own),
+    and the state holds one of ``residuals`` per parameter where its transform has a
+    ``compressor`` (its name), else none. Leaves are paired by position, so another
+    tree (a frozen embedding left out) would pair unrelated tensors."""
+    # (comprehensions, not operator.attrgetter: torch.compile traces this check and cannot call one)
+    same = len(leaves) == len(copies) and [t.shape for t in leaves] == [t.shape for t in copies]
+    if same and same_dtype:
+        same = [t.dtype for t in leaves] == [t.dtype for t in copies]
+    if same and len(residuals) != (len(copies) if compressor is not None else 0):  # one per parameter, or none
+        raise ValueError(
+            f"Arg ``state`` holds {len(residuals)} error-feedback residuals for {len(copies)} parameters: "
+            f"it was made by init of a transform {'with' if compressor is None else 'without'} a compressor; this one "
+            f"has {'none' if compressor is None else compressor}. Init a state with this transform."
+        )
+    if same:
+        return
+    differing = next(
+        (i for i, (leaf, g) in enumerate(zip(leaves, copies))
+         if leaf.shape != g.shape or (same_dtype and leaf.dtype != g.dtype)),
+        min(len(leaves), len(copies)),
+    )
+    raise ValueError(
+        f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(copies)}, and leaf "
+        f"{differing} differs (params: "
+        f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(copies, differing)}). Pass the "
+        f"parameters init was given (the same tree), or init a state for these.{_vmap_hint(leaves, copies, differing)}"
+    )
+
+
+def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
+    return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
+
+
+def _vmap_hint(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], i: int) -> str:
+    """Where one side has exactly one more leading dimension, what ``vmap``'s dims
+    likely got wrong (a stacked tree passed unmapped), else ``""``."""
+    if i >= min(len(leaves), len(copies)):
+        return ""
+    param, copy = leaves[i].shape, copies[i].shape
+    if copy[1:] == param and len(copy) == len(param) + 1:
+        return (" Under torch.func.vmap: a state stacked per replica passed unmapped? Map it with "
+                "in_dims=puredist.tree.vmap_axes(state) (and return it with out_dims=the same).")
+    if param[1:] == copy and len(param) == len(copy) + 1:
+        return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
+    return ""
