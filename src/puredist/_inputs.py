@@ -443,3 +443,26 @@ def _vmap_hint(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], i
     if param[1:] == copy and len(param) == len(copy) + 1:
         return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
     return ""
+
+
+_FOREIGN_FIELDS = Rule(lambda v, b: not v, ValueError,  # v: the fields of a saved entry its optimizer does not keep
+                       "Arg ``{arg}``: the state of parameter {index} has {value}, which {name} does not keep ({kept}): "
+                       "a checkpoint of another optimizer?")
+_FIELD_SHAPE = Rule(lambda v, b: v is None, ValueError,  # v: (field, its shape) of the first misshapen tensor field
+                    "Arg ``{arg}``: ``{value[0]}`` of parameter {index} has shape {value[1]}, the parameter {shape}.")
+
+
+def check_saved_entry(entry: dict, param: torch.Tensor, index: int, fields: tuple[frozenset, frozenset] | None,
+                      name: str, *, arg: str = "state_dict") -> None:
+    """Raise ``ValueError`` unless ``entry`` (parameter ``index``'s saved state, in the
+    argument ``arg``) can be a state of the optimizer ``name`` for ``param``, where its
+    ``fields`` are known (those shaped like the parameter, the scalars; ``None``: not
+    checked): it holds no other field, and each tensor of the first is shaped as ``param``."""
+    if fields is None:
+        return
+    shaped, scalars = fields
+    check(arg, sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index, name=name,
+          kept=sorted(shaped | scalars))
+    misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
+                 if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
+    check(arg, next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))
