@@ -1,26 +1,26 @@
-"""What a collective accepts: checked for every tensor before any is touched.
+"""A tensor given: what a collective or an optimizer's step refuses of it, and what it
+must fit; checked before any tensor is touched (an unsupported tensor late in a list
+never leaves the earlier ones averaged or stepped), naming the argument, the position
+and the reason. This module reads tensors' metadata: it must not communicate.
 
-A tensor that cannot be averaged correctly is refused with a message naming its
-position and the reason, before any collective is issued, so an unsupported tensor
-late in a list can never leave the earlier ones averaged and the later ones not:
+What a collective refuses (:data:`_REFUSALS`, read by one loop; in place, once per
+layout): sparse (non-strided), nested and ``meta`` tensors, float8, integer and bool
+dtypes; an inference tensor outside ``torch.inference_mode()`` (torch refuses to
+write it there); a conjugate view (it has no real view) or a negated one
+(``z.conj().imag``: torch's multi-tensor copy cannot write it); a tensor whose
+elements overlap (``expand``-ed); two tensors sharing memory (views that interleave
+without a common element are told apart by :mod:`puredist._memory`). Complex tensors
+are averaged as their real view (the complex mean), a DTensor as its local shard; one
+with a ``Partial`` placement is refused. What an optimizer's fused kernel refuses:
+its table of :class:`KernelRefusal` rows, read by :func:`check_kernel_takes`.
 
-- sparse (and other non-strided) layouts, nested and ``meta`` tensors (no data),
-  float8 and integer or bool dtypes;
-- a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
-  mean would write one memory location several times;
-- two tensors sharing memory (the same tensor passed twice, or overlapping views):
-  each would be reduced from values the other has already replaced (views that
-  interleave without a common element, such as a matrix's column slices, are told
-  apart exactly where both step through memory alike, else element by element up to
-  :data:`puredist._memory._EXACT_SPAN` elements);
-- an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
-  it there), a conjugate view of a complex tensor (it has no real view) and a
-  negated view (``z.conj().imag``: torch's multi-tensor copy cannot write it).
-
-Complex tensors are averaged as their real view (real and imaginary parts are
-averaged independently, which is the complex mean). A DTensor is averaged as its
-local shard (see :mod:`puredist._dtensors`); one with a ``Partial`` placement is
-refused.
+What a tensor must fit: rows stacked per replica (:func:`check_stacked`); float
+leaves and their fp32 residuals (:func:`check_float_leaves`, :func:`check_residuals`);
+an optimizer's states and gradients, its parameters (:func:`check_fits`,
+:func:`check_state_count`); an outer state, the parameters it was made for
+(:func:`check_params_fit`); a saved state entry, its parameter
+(:func:`check_saved_entry`). Callers pass what they know (a field, the copies, a
+table): this module imports nothing of the optimizers, collectives or transforms.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
-from puredist._layout import Layout, layout_of
+from puredist._dtensors import check_not_pending, local_shard, local_shards
+from puredist._layout import Checked, Layout, all_real_shards, layout_of
 from puredist._memory import byte_span, may_overlap_itself, share_elements
 from puredist._validation import HOLDS, Rule, check, check_same_shapes
 
@@ -51,24 +51,11 @@ def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
 
 
-class Checked(list):
-    """The tensors to reduce, as :func:`checked` returns them: a list of the tensors
-    as given (the leaves a caller works with), known to pass the checks.
-
-    Attributes:
-        reduced: the real-valued tensors the collective writes (a complex tensor's
-            ``view_as_real``, a DTensor's local shard; the others as given).
-        layout: their :class:`~puredist._layout.Layout` (summary, bucket plans).
-    """
-
-    reduced: list[torch.Tensor]
-    layout: Layout
-
-
 def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor") -> Checked:
     """Check that every tensor can be reduced in place (see the module docstring),
     once per layout: a list of the same metadata as one already checked passes at
-    the cost of reading its metadata. A :class:`Checked` passes as it is.
+    the cost of reading its metadata. A :class:`~puredist._layout.Checked` passes as
+    it is.
 
     Args:
         tensors: the tensors, in the order given.
@@ -94,9 +81,9 @@ def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "ten
 
 
 def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *, why: object) -> Checked:
-    """``fresh`` as a :class:`Checked`: new tensors made from ``originals`` (clones,
-    the results of a multi-tensor kernel over them), so of the same shapes, dtypes,
-    devices and strides at new addresses, each its own memory. Their layout is kept
+    """``fresh`` as a :class:`~puredist._layout.Checked`: new tensors made from
+    ``originals`` (clones, the results of a multi-tensor kernel over them), so of the
+    same shapes, dtypes, devices and strides at new addresses, each its own memory. Their layout is kept
     with the originals' under ``why`` (how they were made, with whatever else decides
     their metadata, e.g. the other operand's layout), so that tensors made anew at
     every step are checked and planned once, not at every call. (Also a buffer laid
@@ -112,13 +99,6 @@ def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *
     layout = result.layout = layout_of(originals).derived(("like", why), made)
     result.reduced = _reduced(fresh, layout)
     return result
-
-
-def all_real_shards(tensors: Sequence[torch.Tensor], layout: Layout) -> bool:
-    """Whether ``tensors`` (of ``layout``) are all real-valued DTensors (once per layout)."""
-    return layout.derived(
-        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
-    )
 
 
 def _reduced(tensors: list, layout: Layout, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
