@@ -1,76 +1,46 @@
-"""What a collective accepts: checked for every tensor before any is touched.
+"""A tensor given: what a collective or an optimizer's step refuses of it, and what it
+must fit; checked before any tensor is touched (an unsupported tensor late in a list
+never leaves the earlier ones averaged or stepped), naming the argument, the position
+and the reason. This module reads tensors' metadata: it must not communicate.
 
-A tensor that cannot be averaged correctly is refused with a message naming its
-position and the reason, before any collective is issued, so an unsupported tensor
-late in a list can never leave the earlier ones averaged and the later ones not:
+What a collective refuses (:data:`_REFUSALS`, read by one loop; in place, once per
+layout): sparse (non-strided), nested and ``meta`` tensors, float8, integer and bool
+dtypes; an inference tensor outside ``torch.inference_mode()`` (torch refuses to
+write it there); a conjugate view (it has no real view) or a negated one
+(``z.conj().imag``: torch's multi-tensor copy cannot write it); a tensor whose
+elements overlap (``expand``-ed); two tensors sharing memory (views that interleave
+without a common element are told apart by :mod:`puredist._memory`). Complex tensors
+are averaged as their real view (the complex mean), a DTensor as its local shard; one
+with a ``Partial`` placement is refused. What an optimizer's fused kernel refuses:
+its table of :class:`KernelRefusal` rows, read by :func:`check_kernel_takes`.
 
-- sparse (and other non-strided) layouts, nested and ``meta`` tensors (no data),
-  float8 and integer or bool dtypes;
-- a tensor whose elements overlap in memory (``expand``-ed, stride 0): writing its
-  mean would write one memory location several times;
-- two tensors sharing memory (the same tensor passed twice, or overlapping views):
-  each would be reduced from values the other has already replaced (views that
-  interleave without a common element, such as a matrix's column slices, are told
-  apart exactly where both step through memory alike, else element by element up to
-  :data:`_EXACT_SPAN` elements);
-- an inference tensor outside ``torch.inference_mode()`` (torch refuses to write
-  it there), a conjugate view of a complex tensor (it has no real view) and a
-  negated view (``z.conj().imag``: torch's multi-tensor copy cannot write it).
-
-Complex tensors are averaged as their real view (real and imaginary parts are
-averaged independently, which is the complex mean). A DTensor is averaged as its
-local shard (see :mod:`puredist._dtensors`); one with a ``Partial`` placement is
-refused.
+What a tensor must fit: rows stacked per replica (:func:`check_stacked`); float
+leaves and their fp32 residuals (:func:`check_float_leaves`, :func:`check_residuals`);
+an optimizer's states and gradients, its parameters (:func:`check_fits`,
+:func:`check_state_count`); an outer state, the parameters it was made for
+(:func:`check_params_fit`); a saved state entry, its parameter
+(:func:`check_saved_entry`). Callers pass what they know (a field, the copies, a
+table): this module imports nothing of the optimizers, collectives or transforms.
 """
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._dtensors import check_not_pending, is_dtensor, local_shard, local_shards
-from puredist._layout import Layout, layout_of
+from puredist._dtensors import check_not_pending, local_shard, local_shards
+from puredist._layout import Checked, Layout, all_real_shards, layout_of
+from puredist._memory import byte_span, may_overlap_itself, share_elements
+from puredist._validation import HOLDS, Rule, check, check_same_shapes
 
 FLOAT8 = tuple(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
 )
-
-
-def transforms_active() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) is running around
-    this call: only then can a tensor be wrapped by one. One look at functorch's
-    interpreter stack (private: ``torch._C._functorch.peek_interpreter_stack``, as
-    ``torch._functorch.pyfunctorch`` reads it), instead of one per tensor. ``False``
-    while ``torch.compile`` traces (a compiled function sees plain tensors)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def vmap_levels(tensor: torch.Tensor) -> set[int]:
-    """The levels of the ``vmap`` transforms that map ``tensor``, looked for through
-    any other wrappers (``torch.func.grad``'s keep one value). (private:
-    ``torch._C._functorch``'s wrapper queries)"""
-    functorch, levels = torch._C._functorch, set()
-    while functorch.is_functorch_wrapped_tensor(tensor):
-        if functorch.is_batchedtensor(tensor):
-            levels.add(functorch.maybe_get_level(tensor))
-        tensor = functorch.get_unwrapped(tensor)
-    return levels
-
-
-def is_transformed(tensor: object) -> bool:
-    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (mapped by ``vmap``,
-    tracked by ``grad``): its values cannot be read on the host, nor its memory.
-    (private: ``torch._C._functorch.is_functorch_wrapped_tensor``)"""
-    return (
-        transforms_active()
-        and isinstance(tensor, torch.Tensor)
-        and torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-    )
 
 
 def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
@@ -81,43 +51,11 @@ def _label(noun: str, position: int, tensor: torch.Tensor) -> str:
     return f"{noun} {position} (shape {tuple(tensor.shape)}, {tensor.dtype}, {tensor.device})"
 
 
-def _may_overlap_itself(tensor: torch.Tensor) -> bool:
-    """Whether two elements of ``tensor`` may share memory: unless, taking its
-    dimensions by increasing stride, each stride steps over everything the smaller
-    ones span (true of every contiguous tensor, permutation and slice)."""
-    spanned = 0
-    for size, stride in sorted(((n, abs(s)) for n, s in zip(tensor.shape, tensor.stride()) if n > 1), key=lambda d: d[1]):
-        if stride <= spanned:
-            return True
-        spanned += (size - 1) * stride
-    return False
-
-
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` bytes of memory ``tensor`` may touch."""
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.data_ptr()
-    return start, start + (extent + 1) * tensor.element_size()
-
-
-class Checked(list):
-    """The tensors to reduce, as :func:`checked` returns them: a list of the tensors
-    as given (the leaves a caller works with), known to pass the checks.
-
-    Attributes:
-        reduced: the real-valued tensors the collective writes (a complex tensor's
-            ``view_as_real``, a DTensor's local shard; the others as given).
-        layout: their :class:`~puredist._layout.Layout` (summary, bucket plans).
-    """
-
-    reduced: list[torch.Tensor]
-    layout: Layout
-
-
 def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "tensor") -> Checked:
     """Check that every tensor can be reduced in place (see the module docstring),
     once per layout: a list of the same metadata as one already checked passes at
-    the cost of reading its metadata. A :class:`Checked` passes as it is.
+    the cost of reading its metadata. A :class:`~puredist._layout.Checked` passes as
+    it is.
 
     Args:
         tensors: the tensors, in the order given.
@@ -143,9 +81,9 @@ def checked(tensors: Sequence[object], *, arg: str = "tensors", noun: str = "ten
 
 
 def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *, why: object) -> Checked:
-    """``fresh`` as a :class:`Checked`: new tensors made from ``originals`` (clones,
-    the results of a multi-tensor kernel over them), so of the same shapes, dtypes,
-    devices and strides at new addresses, each its own memory. Their layout is kept
+    """``fresh`` as a :class:`~puredist._layout.Checked`: new tensors made from
+    ``originals`` (clones, the results of a multi-tensor kernel over them), so of the
+    same shapes, dtypes, devices and strides at new addresses, each its own memory. Their layout is kept
     with the originals' under ``why`` (how they were made, with whatever else decides
     their metadata, e.g. the other operand's layout), so that tensors made anew at
     every step are checked and planned once, not at every call. (Also a buffer laid
@@ -161,13 +99,6 @@ def checked_like(originals: Sequence[torch.Tensor], fresh: list[torch.Tensor], *
     layout = result.layout = layout_of(originals).derived(("like", why), made)
     result.reduced = _reduced(fresh, layout)
     return result
-
-
-def all_real_shards(tensors: Sequence[torch.Tensor], layout: Layout) -> bool:
-    """Whether ``tensors`` (of ``layout``) are all real-valued DTensors (once per layout)."""
-    return layout.derived(
-        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
-    )
 
 
 def _reduced(tensors: list, layout: Layout, arg: str = "tensors", noun: str = "tensor") -> list[torch.Tensor]:
@@ -250,7 +181,7 @@ _REFUSALS = (  # in order: the first that applies is raised (lambdas: torch.comp
     _Refusal(True, lambda t: t.is_neg(), ValueError,
              " is a negated view (e.g. z.conj().imag), which torch's multi-tensor copy cannot write; average the "
              "tensor it views instead (the mean of the negations is the negation of the mean)."),
-    _Refusal(True, _may_overlap_itself, ValueError,
+    _Refusal(True, may_overlap_itself, ValueError,
              " has overlapping elements (strides {strides}, e.g. from expand()): its mean cannot be written back; "
              "pass a contiguous copy."),
 )
@@ -282,84 +213,15 @@ def _check_each(tensors: Sequence[object], arg: str, noun: str, *, in_place: boo
     return tuple(converted)
 
 
-_EXACT_SPAN = 1 << 22
-"""Elements up to which two tensors whose byte ranges overlap are compared element by
-element (an int64 index per element of their common range: 32 MiB); beyond, they are
-taken to share memory."""
-
-
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b``, whose byte ranges overlap, have an element in common:
-    exactly for views of one element size on one grid (column slices, even and odd
-    elements, a complex tensor's real and imaginary parts), else assumed."""
-    size = a.element_size()
-    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
-    start, end = min(a_start, b_start), max(a_end, b_end)
-    if b.element_size() != size or (a_start - b_start) % size:
-        return True
-    exact = _share_on_one_lattice(a, b, (b_start - a_start) // size)
-    if exact is not None:
-        return exact
-    if (end - start) // size > _EXACT_SPAN:
-        return True
-    grid = torch.arange((end - start) // size)  # the common range's elements, numbered
-
-    def elements(tensor: torch.Tensor, first: int) -> torch.Tensor:
-        return grid.as_strided(tensor.shape, tensor.stride(), (first - start) // size).reshape(-1)
-
-    return bool(torch.isin(elements(a, a_start), elements(b, b_start)).any())
-
-
-def _share_on_one_lattice(a: torch.Tensor, b: torch.Tensor, offset: int) -> bool | None:
-    """Whether ``a`` and ``b`` (same element size; ``b`` starts ``offset`` elements
-    after ``a``) have an element in common, where both step through memory with the
-    same strides (column slices of one matrix, of any size); ``None`` elsewhere, or
-    where the search below would take more than ``_LATTICE_STEPS`` steps.
-
-    An element is shared iff ``offset = sum_d k_d * stride_d`` for some index
-    differences ``-(b.shape[d] - 1) <= k_d <= a.shape[d] - 1``. Largest stride first,
-    only the ``k_d`` that leave a remainder the smaller strides can still reach are
-    tried: one or two per dimension for views of one tensor."""
-    if a.stride() != b.stride():
-        return None
-    dims = sorted((stride, n - 1, m - 1) for stride, n, m in zip(a.stride(), a.shape, b.shape) if n > 1 or m > 1)
-    reach = []  # per dimension: the lowest and highest sum the smaller strides' terms reach
-    low = high = 0
-    for stride, up, down in dims:
-        reach.append((low, high))
-        low, high = low - down * stride, high + up * stride
-    steps = [0]
-
-    def solvable(d: int, rest: int) -> bool | None:
-        if d < 0:
-            return rest == 0
-        steps[0] += 1
-        if steps[0] > _LATTICE_STEPS:
-            return None
-        (stride, up, down), (low, high) = dims[d], reach[d]
-        undecided = False
-        for k in range(max(-down, -((high - rest) // stride)), min(up, (rest - low) // stride) + 1):
-            found = solvable(d - 1, rest - k * stride)
-            if found:
-                return True
-            undecided = undecided or found is None
-        return None if undecided else False
-
-    return solvable(len(dims) - 1, offset)
-
-
-_LATTICE_STEPS = 256
-
-
 def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> None:
     # sorted by (device, start): the tensors whose ranges overlap one's are those after it that start inside it
-    spans = sorted((str(t.device), *_byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
+    spans = sorted((str(t.device), *byte_span(t), position) for position, t in enumerate(tensors) if t.numel() > 0)
     for i, (device, _, end, first) in enumerate(spans):
         for j in range(i + 1, len(spans)):
             next_device, start, _, second = spans[j]
             if next_device != device or start >= end:
                 break
-            if not _share_elements(tensors[first], tensors[second]):
+            if not share_elements(tensors[first], tensors[second]):
                 continue  # interleaved, each element its own
             a, b = sorted((first, second))
             raise ValueError(
@@ -367,3 +229,220 @@ def _check_disjoint(tensors: Sequence[torch.Tensor], arg: str, noun: str) -> Non
                 "views): each would be averaged from values the other already replaced. Pass each "
                 "tensor once."
             )
+
+
+def check_stacked(tensors: Sequence[torch.Tensor], rows: int, *, arg: str, noun: str, why: str) -> None:
+    """Raise ``ValueError`` unless every tensor is stacked ``[rows, *shape]`` (a row
+    per replica): "``arg``: noun i has shape s; " and ``why`` (formatted with
+    ``rows``). ``arg``: an argument's name (quoted as one) or what the tensors are."""
+    for position, tensor in enumerate(tensors):
+        if tensor.dim() == 0 or tensor.shape[0] != rows:
+            subject = f"Arg ``{arg}``" if arg.isidentifier() else arg
+            raise ValueError(f"{subject}: {noun} {position} has shape {tuple(tensor.shape)}; {why.format(rows=rows)}")
+
+
+def check_tensors(values: Sequence[object], *, arg: str, noun: str) -> None:
+    """Raise ``TypeError`` naming the first of ``values`` (the elements of the argument
+    ``arg``) that is not a tensor: "Arg ``arg``: noun i is a T, not a tensor."."""
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        i, bad = next((i, v) for i, v in enumerate(values) if not isinstance(v, torch.Tensor))
+        raise TypeError(f"Arg ``{arg}``: {noun} {i} is a {type(bad).__name__}, not a tensor.")
+
+
+def check_float_leaves(leaves: Sequence[torch.Tensor], layout: Layout, *, arg: str, needs: str) -> None:
+    """Raise, once per ``layout`` (theirs), ``TypeError`` on a leaf whose dtype is not
+    floating point ("Arg ``arg``: leaf i has dtype d; " and ``needs``), ``ValueError``
+    on a DTensor with a ``Partial`` placement."""
+    layout.derived(("float leaves", arg), lambda: _float_leaves(leaves, arg, needs))
+
+
+def _float_leaves(leaves: Sequence[torch.Tensor], arg: str, needs: str) -> bool:
+    for position, leaf in enumerate(leaves):
+        if not leaf.is_floating_point():
+            raise TypeError(f"Arg ``{arg}``: leaf {position} has dtype {leaf.dtype}; {needs}.")
+        check_not_pending(leaf, arg, lambda: f"leaf {position}")
+    return True
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def check_residuals(leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor], layout: Layout, *,
+                    arg: str) -> None:
+    """Raise ``ValueError`` (naming the argument ``arg``) unless ``residuals`` are one
+    fp32 tensor per leaf (``leaves`` of ``layout``), shaped as its local shard (a
+    compressed averaging's payloads' sizes follow from them: a residual of another
+    shape would broadcast, or make this rank's payloads another size than its peers')."""
+    check(arg, len(residuals), HOLDS, what="residuals", count=len(leaves), per="leaves")
+    shards = leaves
+    if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
+        shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
+    check_same_shapes(arg, list(map(_SHAPE, residuals)), list(map(_SHAPE, shards)), what="residual",
+                      other="its leaf", tail=".")
+    if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
+        i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
+        raise ValueError(f"Arg ``{arg}``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
+                         "makes them).")
+
+
+class KernelRefusal(NamedTuple):
+    """What an optimizer's fused kernel would refuse or step wrongly from inside the
+    step: a row of the table :func:`check_kernel_takes` reads.
+
+    Attributes:
+        kernel: the optimizer whose fused kernel it is (``None``: every one).
+        eager_only: only where the step runs eagerly (compiled, the fused kernel
+            does not run).
+        any_may: ``any_may(params)``: whether some parameter may be refused, read
+            without a Python frame per parameter (the usual path).
+        refuses: ``refuses(param)``.
+        error: the exception raised.
+        why: the message's reason, formatted with the first refused parameter's
+            position ``i`` and ``dtype``.
+    """
+
+    kernel: str | None
+    eager_only: bool
+    any_may: Callable[[Sequence[torch.Tensor]], bool]
+    refuses: Callable[[torch.Tensor], bool]
+    error: type[Exception]
+    why: str
+
+
+def check_kernel_takes(params: Sequence[torch.Tensor], fused: bool | None, name: str,
+                       refusals: Sequence[KernelRefusal]) -> None:
+    """Where ``fused``, raise, naming the argument, before anything is stepped where
+    the fused kernel of the optimizer ``name`` would raise its own error from inside
+    the step or step wrongly: the first of ``refusals`` (in order) that applies to
+    ``name`` (and, compiled, is not ``eager_only``), at its first refused parameter:
+    "Arg ``fused`` of name: why; nothing was stepped. ..."."""
+    if not fused:
+        return
+    for refusal in refusals:
+        if refusal.kernel not in (None, name) or (refusal.eager_only and torch.compiler.is_compiling()):
+            continue
+        refused = [i for i, p in enumerate(params) if refusal.refuses(p)] if refusal.any_may(params) else []
+        if refused:
+            why = refusal.why.format(i=refused[0], dtype=params[refused[0]].dtype)
+            raise refusal.error(
+                f"Arg ``fused`` of {name}: {why}; nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
+            )
+
+
+def check_fits(leaves: Sequence[torch.Tensor] | None, states: Sequence[NamedTuple],
+               grads: Sequence[torch.Tensor | None], *, shaped_field: Callable[[Sequence[NamedTuple]], str | None],
+               name: str, takes_sparse: bool) -> None:
+    """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
+    buffer (its field ``shaped_field(states)``, ``None``: none) has another shape than
+    its parameter (a state made for other parameters: the kernels would step some
+    parameters, then fail), or a gradient (``None`` skips its parameter) has another
+    shape than its parameter, or is sparse for an optimizer ``name`` that takes none
+    (as ``torch.optim.Adam`` refuses). ``leaves`` ``None``: nothing to fit."""
+    if leaves is None:
+        return
+    field = shaped_field(states)
+    buffers = [getattr(state, field) for state in states] if field else []  # (comprehensions: torch.compile traces them)
+    if buffers and buffers[0] is not None:  # (SGD before its first step: no buffer yet)
+        check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
+                          other="its state's buffers", tail=": a state made by init for other parameters. Nothing was "
+                          "stepped.")
+    shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
+    check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
+                      what="gradient", other="its parameter", tail=". Nothing was stepped.")
+    if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
+        i = next(i for i, g in enumerate(grads) if g is not None and g.is_sparse)
+        raise ValueError(
+            f"Arg ``grads``: gradient {i} is sparse; {name} takes dense gradients only (torch.optim's neither: "
+            "consider torch.optim.SparseAdam). Nothing was stepped."
+        )
+
+
+_NOT_TENSORS = Rule(lambda states, b: not (states and all(isinstance(s, torch.Tensor) for s in states)), ValueError,
+                    "Arg ``{arg}`` holds tensors where per-parameter states belong: were the arguments given in "
+                    "optax's order, update(grads, state, params)? puredist's is update(params, grads, state), as "
+                    "torch.optim's step updates the parameters.")
+"""A state's rule where it is not per-parameter states: not tensors (arguments swapped)."""
+
+
+def check_state_count(states: Sequence[object], count: int, declared: Callable[[type], object]) -> None:
+    """Raise ``ValueError`` unless ``states`` (the argument ``state``'s, in leaf order)
+    are ``count`` per-parameter states, each of a type ``declared`` knows (it returns
+    its declaration, else ``None``): tensors there name the arguments' order (optax's),
+    anything else the count."""
+    if len(states) != count or not all(map(declared, set(map(type, states)))):
+        check("state", states, _NOT_TENSORS)
+        raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
+
+
+def check_params_fit(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], residuals: Sequence[object], *,
+                     same_dtype: bool, compressor: str | None) -> None:
+    """Raise ``ValueError`` unless ``leaves`` (the argument ``params``') are the
+    parameters a state was made for: as many as its global ``copies``, of the same
+    shapes (and dtypes, where ``same_dtype``: the copies keep the parameters' own),
+    and the state holds one of ``residuals`` per parameter where its transform has a
+    ``compressor`` (its name), else none. Leaves are paired by position, so another
+    tree (a frozen embedding left out) would pair unrelated tensors."""
+    # (comprehensions, not operator.attrgetter: torch.compile traces this check and cannot call one)
+    same = len(leaves) == len(copies) and [t.shape for t in leaves] == [t.shape for t in copies]
+    if same and same_dtype:
+        same = [t.dtype for t in leaves] == [t.dtype for t in copies]
+    if same and len(residuals) != (len(copies) if compressor is not None else 0):  # one per parameter, or none
+        raise ValueError(
+            f"Arg ``state`` holds {len(residuals)} error-feedback residuals for {len(copies)} parameters: "
+            f"it was made by init of a transform {'with' if compressor is None else 'without'} a compressor; this one "
+            f"has {'none' if compressor is None else compressor}. Init a state with this transform."
+        )
+    if same:
+        return
+    differing = next(
+        (i for i, (leaf, g) in enumerate(zip(leaves, copies))
+         if leaf.shape != g.shape or (same_dtype and leaf.dtype != g.dtype)),
+        min(len(leaves), len(copies)),
+    )
+    raise ValueError(
+        f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(copies)}, and leaf "
+        f"{differing} differs (params: "
+        f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(copies, differing)}). Pass the "
+        f"parameters init was given (the same tree), or init a state for these.{_vmap_hint(leaves, copies, differing)}"
+    )
+
+
+def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
+    return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
+
+
+def _vmap_hint(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], i: int) -> str:
+    """Where one side has exactly one more leading dimension, what ``vmap``'s dims
+    likely got wrong (a stacked tree passed unmapped), else ``""``."""
+    if i >= min(len(leaves), len(copies)):
+        return ""
+    param, copy = leaves[i].shape, copies[i].shape
+    if copy[1:] == param and len(copy) == len(param) + 1:
+        return (" Under torch.func.vmap: a state stacked per replica passed unmapped? Map it with "
+                "in_dims=puredist.tree.vmap_axes(state) (and return it with out_dims=the same).")
+    if param[1:] == copy and len(param) == len(copy) + 1:
+        return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
+    return ""
+
+
+_FOREIGN_FIELDS = Rule(lambda v, b: not v, ValueError,  # v: the fields of a saved entry its optimizer does not keep
+                       "Arg ``{arg}``: the state of parameter {index} has {value}, which {name} does not keep ({kept}): "
+                       "a checkpoint of another optimizer?")
+_FIELD_SHAPE = Rule(lambda v, b: v is None, ValueError,  # v: (field, its shape) of the first misshapen tensor field
+                    "Arg ``{arg}``: ``{value[0]}`` of parameter {index} has shape {value[1]}, the parameter {shape}.")
+
+
+def check_saved_entry(entry: dict, param: torch.Tensor, index: int, fields: tuple[frozenset, frozenset] | None,
+                      name: str, *, arg: str = "state_dict") -> None:
+    """Raise ``ValueError`` unless ``entry`` (parameter ``index``'s saved state, in the
+    argument ``arg``) can be a state of the optimizer ``name`` for ``param``, where its
+    ``fields`` are known (those shaped like the parameter, the scalars; ``None``: not
+    checked): it holds no other field, and each tensor of the first is shaped as ``param``."""
+    if fields is None:
+        return
+    shaped, scalars = fields
+    check(arg, sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index, name=name,
+          kept=sorted(shaped | scalars))
+    misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
+                 if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
+    check(arg, next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))

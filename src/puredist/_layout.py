@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._C._dynamo.guards import TensorGuards
 
-from puredist._dtensors import dtensor_type, local_shards, sharding_signature
+from puredist._dtensors import dtensor_type, is_dtensor, local_shards, sharding_signature
 
 _CAPACITY = 64
 """Lists of addresses kept (the least recently used dropped first): a few per model and collective."""
@@ -83,6 +83,27 @@ class Layout:
         this layout describes): everything a bucket plan depends on, and a DTensor's
         sharding; what the rank check compares."""
         return self.derived("summary", lambda: _summary(tensors))
+
+
+class Checked(list):
+    """The tensors to reduce, as :func:`puredist._inputs.checked` returns them: a list
+    of the tensors as given (the leaves a caller works with), known to pass the checks.
+
+    Attributes:
+        reduced: the real-valued tensors the collective writes (a complex tensor's
+            ``view_as_real``, a DTensor's local shard; the others as given).
+        layout: their :class:`Layout` (summary, bucket plans).
+    """
+
+    reduced: list[torch.Tensor]
+    layout: Layout
+
+
+def all_real_shards(tensors: Sequence[torch.Tensor], layout: Layout) -> bool:
+    """Whether ``tensors`` (of ``layout``) are all real-valued DTensors (once per layout)."""
+    return layout.derived(
+        "real shards", lambda: all(map(is_dtensor, tensors)) and not any(t.is_complex() for t in tensors)
+    )
 
 
 def _summary(tensors: Sequence[torch.Tensor]) -> tuple[int, int, int]:

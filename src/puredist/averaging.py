@@ -71,7 +71,7 @@ class Averager(NamedTuple):
 def _float_leaves(params: PyTree, *, in_place: bool) -> tuple[list[torch.Tensor], object]:
     """The leaves of ``params`` and its spec, checked to be averageable (every step,
     averaging or not, so bad input is found at once; in place, once per layout: the
-    leaves come as a :class:`~puredist._inputs.Checked` list, which a collective
+    leaves come as a :class:`~puredist._layout.Checked` list, which a collective
     takes without checking again)."""
     leaves, spec = tree_flatten(params)
     if in_place:

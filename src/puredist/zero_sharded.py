@@ -190,7 +190,10 @@ class _Context(NamedTuple):
             return ""
 
 
-def _checked(params, grads, state: ZeroState, collective):
+def _step_inputs(params, grads, state: ZeroState, collective):
+    """``(leaves, spec, grad leaves)`` of a step's ``params`` and ``grads``, once they,
+    ``state`` and ``collective`` are known to fit one another (each check a one-line
+    call; raises before anything is stepped or communicated)."""
     check("collective", collective, INSTANCE, kind=(DistributedCollective, SimulatedCollective),
           a="a DistributedCollective or a SimulatedCollective for a ZeRO step in place (under vmap: the pure update)")
     leaves, spec = tree_flatten(params)
@@ -248,14 +251,14 @@ def update_subset_(
 ):
     """Step the owned parameters among ``indices`` and start their owners'
     broadcasts: ``(state, handle)``."""
-    leaves, _, grad_leaves = _checked(params, grads, state, collective)
+    leaves, _, grad_leaves = _step_inputs(params, grads, state, collective)
     return _step_and_broadcast(optimizer, leaves, grad_leaves, state, indices, collective)
 
 
 def update_(optimizer: Optimizer, params, grads, state: ZeroState, *, collective: DistributedCollective) -> ZeroState:
     """One whole iteration in place, after the rank check; returns the state at step + 1."""
     with refusing(collective, context=_Context(state)):  # this rank's input: its peers raise at once, not wait
-        leaves, _, grad_leaves = _checked(params, grads, state, collective)
+        leaves, _, grad_leaves = _step_inputs(params, grads, state, collective)
     if isinstance(collective, DistributedCollective):
         # a step this rank's optimizer would refuse (a schedule's value out of range) is part of the check:
         # every rank raises, also one that owns nothing (it waited for the owner's broadcast before)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from puredist._inputs import check_saved_entry
 from puredist._validation import Rule, as_int, check
 from puredist.collectives import DistributedCollective
 from puredist.sharding import ZeroPlan
@@ -40,11 +41,6 @@ _KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
 another optimizer at load. Subclasses and other optimizers are not checked by field."""
 
 
-_FOREIGN_FIELDS = Rule(lambda v, b: not v, ValueError,  # v: the fields of a saved entry its optimizer does not keep
-                       "Arg ``{arg}``: the state of parameter {index} has {value}, which {name} does not keep ({kept}): "
-                       "a checkpoint of another optimizer?")
-_FIELD_SHAPE = Rule(lambda v, b: v is None, ValueError,  # v: (field, its shape) of the first misshapen tensor field
-                    "Arg ``{arg}``: ``{value[0]}`` of parameter {index} has shape {value[1]}, the parameter {shape}.")
 _RANK = Rule(lambda v, b: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < b["stop"], ValueError,
              "Arg ``{arg}`` must be a rank of the group, in [0, {stop}), got {value!r}.")
 _GROUPS = (  # v: (saved param groups, this optimizer's); torch's messages
@@ -52,18 +48,6 @@ _GROUPS = (  # v: (saved param groups, this optimizer's); torch's messages
     Rule(lambda v, b: all(len(s["params"]) == len(g["params"]) for s, g in zip(*v)), ValueError,
          "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"),
 )
-
-
-def _check_saved_entry(entry: dict[str, Any], param: torch.Tensor, index: int, optimizer_class: type) -> None:
-    """Raise ``ValueError`` unless ``entry`` can be a state of ``optimizer_class``
-    for ``param`` (checked by field for torch's own optimizers)."""
-    shaped, scalars = _KNOWN_STATE.get(optimizer_class, (None, None))
-    if shaped is not None:
-        check("state_dict", sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index,
-              name=optimizer_class.__name__, kept=sorted(shaped | scalars))
-        misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
-                     if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
-        check("state_dict", next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))
 
 
 _NOT_SETTINGS = ("params", "param_names")
@@ -127,7 +111,7 @@ def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any
 
     Raises:
         ValueError: the groups differ in number or size from ``param_groups``; a
-            saved entry does not fit its parameter (:func:`_check_saved_entry`),
+            saved entry does not fit its parameter (:func:`~puredist._inputs.check_saved_entry`),
             checked for every parameter, owned or not, so every rank decides alike.
     """
     saved_groups = state_dict["param_groups"]
@@ -136,7 +120,8 @@ def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any
     params = [p for group in param_groups for p in group["params"]]
     group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
     for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
-        _check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index, optimizer_class)
+        check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index,
+                          _KNOWN_STATE.get(optimizer_class), optimizer_class.__name__)
     local_state, local_groups, next_id = {}, [], 0
     for g, saved in enumerate(saved_groups):
         in_group = [i for i in owned if group_of[i] == g]

@@ -25,7 +25,8 @@ from puredist._consistency import gather_value_digests, start_rank_check, with_r
 from puredist._groups import mesh_groups, subgroups_of
 from puredist._dtensors import local_shard
 from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
-from puredist._inputs import Checked, checked, checked_for_reduction, checked_like
+from puredist._inputs import checked, checked_for_reduction, checked_like
+from puredist._layout import Checked
 from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
 from puredist.collectives.base import SUPPORTED_GROUP_SIZE, Collective, divides_first, refusing
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from puredist._inputs import checked_for_reduction
+from puredist._inputs import check_stacked, checked_for_reduction
 from puredist._validation import AT_LEAST_ONE, check
 from puredist.collectives.base import Collective, block_mean, group_size_rule
 from puredist.staging import CollectiveHandle
@@ -61,9 +61,9 @@ class ReplicaGroups:
         return self.num_replicas if group_size is None else group_size
 
 
-def _named(arg: str) -> str:
-    """``arg`` as a message's subject: an argument's name (an identifier) quoted as one."""
-    return f"Arg ``{arg}``" if arg.isidentifier() else arg
+_STACKED = ("simulated, every tensor is stacked [{rows}, *shape] (one row per rank): pass tensors of {rows} rows, or "
+            "a SimulatedCollective of as many replicas as they have rows.")
+"""Why :meth:`SimulatedCollective.check_stacked` refuses a tensor."""
 
 
 class SimulatedCollective(ReplicaGroups, Collective):
@@ -100,7 +100,8 @@ class SimulatedCollective(ReplicaGroups, Collective):
         """
         del context
         tensors = checked_for_reduction(tensors)
-        size = self._checked_size(tensors, group_size)
+        size = self._size(group_size)
+        self.check_stacked(tensors)
         with torch.no_grad():
             for tensor in tensors:
                 tensor.copy_(block_mean(tensor.detach(), size))
@@ -113,25 +114,15 @@ class SimulatedCollective(ReplicaGroups, Collective):
         are only read. Differentiable (plain torch operations)."""
         del context
         tensors = checked_for_reduction(tensors, in_place=False)
-        size = self._checked_size(tensors, group_size)
-        return [block_mean(tensor, size) for tensor in tensors]
-
-    def _checked_size(self, tensors: Sequence[torch.Tensor], group_size: int | None) -> int:
         size = self._size(group_size)
         self.check_stacked(tensors)
-        return size
+        return [block_mean(tensor, size) for tensor in tensors]
 
     def check_stacked(self, tensors: Sequence[torch.Tensor], *, arg: str = "tensors") -> None:
         """Raise ``ValueError`` naming ``arg`` (an argument's name, or what the tensors
         are) unless every tensor is stacked ``[num_replicas, *shape]`` (one row per
         simulated rank)."""
-        for position, tensor in enumerate(tensors):
-            if tensor.dim() == 0 or tensor.shape[0] != self.num_replicas:
-                raise ValueError(
-                    f"{_named(arg)}: tensor {position} has shape {tuple(tensor.shape)}; simulated, every tensor is "
-                    f"stacked [{self.num_replicas}, *shape] (one row per rank): pass tensors of {self.num_replicas} "
-                    "rows, or a SimulatedCollective of as many replicas as they have rows."
-                )
+        check_stacked(tensors, self.num_replicas, arg=arg, noun="tensor", why=_STACKED)
 
     def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
         """Each replica's digests of its row of each ``[R, *shape]`` tensor (see

@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 from torch.library import custom_op
 
-from puredist._inputs import checked_for_reduction, vmap_levels
+from puredist._inputs import check_stacked, check_tensors, checked_for_reduction
+from puredist._transforms import vmap_levels
 from puredist._validation import BELOW, INT, Rule, check
 from puredist.collectives.base import Collective, block_mean
 from puredist.collectives.simulated import ReplicaGroups, replica_digests
@@ -39,6 +40,8 @@ from puredist.staging import CollectiveHandle
 
 __all__ = ["VmapCollective", "replica_mean"]
 
+_ONE_ROW_EACH = "an all-to-all over {rows} replicas sends one row to each, [{rows}, *shape]."
+"""Why :meth:`VmapCollective.all_to_all` refuses a tensor (its rows, one per replica)."""
 
 def _no_replica_axis(num_replicas: int, act: str, tensor: str = "a tensor") -> RuntimeError:
     """The error of a :class:`VmapCollective` that finds no replica axis to ``act`` over
@@ -302,9 +305,7 @@ class VmapCollective(ReplicaGroups, Collective):
                 there is no replica axis to take replica ``src``'s value from.
         """
         check("src", src, INT, BELOW, stop=self.num_replicas)
-        if not all(isinstance(t, torch.Tensor) for t in tensors):  # (any dtype: a broadcast does no arithmetic)
-            k, bad = next((k, t) for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
-            raise TypeError(f"Arg ``tensors``: element {k} is a {type(bad).__name__}, not a tensor.")
+        check_tensors(tensors, arg="tensors", noun="element")  # (any dtype: a broadcast does no arithmetic)
         if self.num_replicas > 1:  # (every tensor would pass as unmapped: each replica's own value, silently)
             self._check_inside_vmap("take the source replica's value from")
         unmapped = set(_unmapped(tensors))
@@ -336,10 +337,8 @@ class VmapCollective(ReplicaGroups, Collective):
     def _exchanged(self, tensors: Sequence[torch.Tensor], *, transpose: bool) -> list[torch.Tensor]:
         if self.num_replicas > 1:
             self._check_inside_vmap("exchange over")
-        if transpose and any(t.dim() == 0 or t.shape[0] != self.num_replicas for t in tensors):
-            k, bad = next((k, t) for k, t in enumerate(tensors) if t.dim() == 0 or t.shape[0] != self.num_replicas)
-            raise ValueError(f"Arg ``tensors``: element {k} has shape {tuple(bad.shape)}; an all-to-all over "
-                             f"{self.num_replicas} replicas sends one row to each, [{self.num_replicas}, *shape].")
+        if transpose:
+            check_stacked(tensors, self.num_replicas, arg="tensors", noun="element", why=_ONE_ROW_EACH)
         return [_replica_exchange_op(t, transpose, self.num_replicas) for t in tensors]
 
     def replica_index(self, like: torch.Tensor) -> torch.Tensor:

@@ -6,17 +6,16 @@ checked, then averaged by :mod:`puredist.compression.phases`.
 This module must not keep state between calls: residuals go in and out explicitly.
 """
 
-import operator
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from puredist._consistency import refusals, with_refusal
 from puredist._docs import fields_documented
-from puredist._dtensors import check_not_pending, like, local_shard
-from puredist._inputs import FLOAT8
+from puredist._dtensors import like, local_shard
+from puredist._inputs import FLOAT8, check_float_leaves, check_residuals
 from puredist._layout import Layout, layout_of, views_like
-from puredist._validation import HOLDS, Rule, check, check_same_shapes
+from puredist._validation import Rule, check
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
 from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
@@ -50,24 +49,16 @@ class CompressedAverager(NamedTuple):
     update: Callable[..., tuple[PyTree, CompressionState]]
 
 
-def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
-    """Raises on a non-float leaf or another kind of collective (the leaves checked
-    once per ``layout``, theirs); True if simulated."""
-    layout.derived("compressible", lambda: _check_leaves(leaves))
+def _runs_simulated(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
+    """Whether ``collective`` runs the ranks simulated (rows stacked per replica), once
+    ``leaves`` (of ``layout``) are known to be floats a compressed averaging over it
+    takes (raises otherwise, naming ``params`` or ``collective``)."""
+    check_float_leaves(leaves, layout, arg="params", needs="compression needs floats")
     check("collective", collective, _COMPRESSING)
     simulated = isinstance(collective, SimulatedCollective)
     if simulated:
         collective.check_stacked(leaves, arg="params")
     return simulated
-
-
-def _check_leaves(leaves: list[torch.Tensor]) -> bool:
-    """Raise ``TypeError`` on a non-floating-point leaf, ``ValueError`` on a pending DTensor; True."""
-    for position, leaf in enumerate(leaves):
-        if not leaf.is_floating_point():
-            raise TypeError(f"Arg ``params``: leaf {position} has dtype {leaf.dtype}; compression needs floats.")
-        check_not_pending(leaf, "params", lambda: f"leaf {position}")
-    return True
 
 
 def _gathers(collective: Collective) -> bool:
@@ -110,9 +101,9 @@ def compressed_mean(
     context = _PayloadsContext(context, compressor.name)  # (their sizes depend on it: ranks must agree)
     layout = layout_of(leaves)
     with refusing(collective, context=context):  # the peers learn a refusal in their rank check, instead of waiting
-        simulated = _check_compressible(leaves, collective, layout)
+        simulated = _runs_simulated(leaves, collective, layout)
         if not torch.compiler.is_compiling():  # (traced once per compilation: the same step run eagerly checks them)
-            _check_residuals(leaves, residuals, layout)
+            check_residuals(leaves, residuals, layout, arg="state")
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
     if not simulated and not _exchanges(collective) and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
@@ -157,25 +148,6 @@ def _compressed_mean_plain(leaves: list[torch.Tensor], residuals: tuple[torch.Te
                 list(torch._foreach_mul(views_like(left[0], residuals), 1)))
 
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-
-
-def _check_residuals(leaves: list[torch.Tensor], residuals: Sequence[torch.Tensor], layout: Layout) -> None:
-    """Raise ``ValueError`` unless ``residuals`` are one fp32 tensor per leaf, shaped as
-    its local shard (the payloads' sizes follow from them: a residual of another shape
-    would broadcast, or make this rank's payloads another size than its peers')."""
-    check("state", len(residuals), HOLDS, what="residuals", count=len(leaves), per="leaves")
-    shards = leaves
-    if not layout.plain:  # a DTensor's residual: its local shard's, or a DTensor holding that shard
-        shards, residuals = [local_shard(leaf) for leaf in leaves], [local_shard(r) for r in residuals]
-    check_same_shapes("state", list(map(_SHAPE, residuals)), list(map(_SHAPE, shards)), what="residual",
-                      other="its leaf", tail=".")
-    if residuals and set(map(_DTYPE, residuals)) != {torch.float32}:
-        i = next(i for i, r in enumerate(residuals) if r.dtype != torch.float32)
-        raise ValueError(f"Arg ``state``: residual {i} has dtype {residuals[i].dtype}; residuals are fp32 (as init "
-                         "makes them).")
-
-
 def compressed_mean_flat_(
     flat: torch.Tensor, residual: torch.Tensor, compressor: Compressor, collective: Collective, *, context: object,
     leaves: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
@@ -195,7 +167,7 @@ def compressed_mean_flat_(
         rank check sees the one tensor: ranks must lay their leaves out alike.
     """
     context = _PayloadsContext(context, compressor.name)
-    _check_compressible([flat], collective, layout_of([flat]))
+    _runs_simulated([flat], collective, layout_of([flat]))  # (for its checks)
     if not collective.is_member:
         return
     rows = (flat.float() + residual).view(1, -1)

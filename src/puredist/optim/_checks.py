@@ -11,9 +11,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import dtensor_type
+from puredist._inputs import KernelRefusal, check_kernel_takes
 from puredist._seq import any_complex, any_none
-from puredist._validation import BETAS, NON_NEGATIVE, Rule, check, check_same_shapes
-from puredist.optim._kernels import DTYPE, IS_CPU, IS_SPARSE, cpu_fused_sgd_sound
+from puredist._validation import BETAS, NON_NEGATIVE, Rule, check
+from puredist.optim._kernels import DTYPE, IS_CPU, cpu_fused_sgd_sound
 from puredist.optim.base import declaration
 
 
@@ -68,41 +69,18 @@ def _count_field(kind: type) -> str | None:
 _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
-class _FusedRefusal(NamedTuple):
-    """What torch's fused kernel would refuse or step wrongly from inside the step.
-
-    Attributes:
-        kernel: the optimizer whose fused kernel it is (``None``: every one).
-        eager_only: only where the step runs eagerly (compiled, the fused kernel
-            does not run).
-        any_may: ``any_may(params)``: whether some parameter may be refused, read
-            without a Python frame per parameter (the usual path).
-        refuses: ``refuses(param)``.
-        error: the exception raised.
-        why: the message's reason, formatted with the first refused parameter's
-            position ``i`` and ``dtype``.
-    """
-
-    kernel: str | None
-    eager_only: bool
-    any_may: Callable[[Sequence[torch.Tensor]], bool]
-    refuses: Callable[[torch.Tensor], bool]
-    error: type[Exception]
-    why: str
-
-
 def _any_dtensor(params: Sequence[torch.Tensor]) -> bool:
     dtensor = dtensor_type()
     return dtensor is not None and any(map(isinstance, params, repeat(dtensor)))
 
 
 _FUSED_REFUSALS = (
-    _FusedRefusal(None, False, any_complex, lambda p: p.is_complex(), TypeError,
+    KernelRefusal(None, False, any_complex, lambda p: p.is_complex(), TypeError,
                   "torch's fused kernel takes no complex parameters (parameter {i} is {dtype})"),
-    _FusedRefusal("sgd", True, _any_dtensor, lambda p: isinstance(p, dtensor_type()), TypeError,
+    KernelRefusal("sgd", True, _any_dtensor, lambda p: isinstance(p, dtensor_type()), TypeError,
                   "torch's fused SGD kernel takes no DTensor parameters (it has no sharding rule)"),
     # torch 2.13's steps a 16-element bf16 tensor 2.4 off after one step at lr 0.7 (probed once per dtype)
-    _FusedRefusal("sgd", True, lambda ps: not _HALF_DTYPES.isdisjoint(map(DTYPE, ps)) and any(map(IS_CPU, ps)),
+    KernelRefusal("sgd", True, lambda ps: not _HALF_DTYPES.isdisjoint(map(DTYPE, ps)) and any(map(IS_CPU, ps)),
                   lambda p: p.is_cpu and p.dtype in _HALF_DTYPES and not cpu_fused_sgd_sound(p.dtype), ValueError,
                   f"torch {torch.__version__}'s fused SGD kernel on a CPU steps {{dtype}} tensors wrongly (parameter "
                   "{i}: it disagrees with its multi-tensor kernel by far more than rounding)"),
@@ -116,41 +94,13 @@ def check_fused_takes(params: Sequence[torch.Tensor], fused: bool | None, name: 
     (complex parameters; SGD's: DTensor parameters) or step wrongly (SGD's: 16-bit
     parameters on a CPU where the installed torch's kernel disagrees with its
     multi-tensor kernel): the first of :data:`_FUSED_REFUSALS` that applies."""
-    if not fused:
-        return
-    for refusal in _FUSED_REFUSALS:
-        if refusal.kernel not in (None, name) or (refusal.eager_only and torch.compiler.is_compiling()):
-            continue
-        refused = [i for i, p in enumerate(params) if refusal.refuses(p)] if refusal.any_may(params) else []
-        if refused:
-            why = refusal.why.format(i=refused[0], dtype=params[refused[0]].dtype)
-            raise refusal.error(
-                f"Arg ``fused`` of {name}: {why}; nothing was stepped. Use fused=None (foreach or the for-loop kernel)."
-            )
+    check_kernel_takes(params, fused, name, _FUSED_REFUSALS)
 
 
-def check_fits(leaves: Sequence[torch.Tensor], states: Sequence[NamedTuple], grads: Sequence[torch.Tensor | None],
-               name: str, takes_sparse: bool) -> None:
-    """Raise ``ValueError``, before anything is stepped, where a per-parameter state's
-    buffer (the first field declared :data:`~puredist.optim.base.Shaped`, where the
-    states are of one declared kind) has another shape than its parameter (a state
-    made for other parameters: the kernels would step some parameters, then fail), or
-    a gradient (``None`` skips its parameter) has another shape than its parameter, or
-    is sparse for an optimizer that takes none (as ``torch.optim.Adam`` refuses)."""
+def shaped_field(states: Sequence[NamedTuple]) -> str | None:
+    """The field of ``states`` that a step's check holds to its parameter's shape: the
+    first declared :data:`~puredist.optim.base.Shaped`, where the states are of one
+    declared kind; ``None`` where there is none (SGD without momentum)."""
     kinds = set(map(type, states))
     declared = declaration(kinds.pop()) if len(kinds) == 1 else None
-    field = declared.shaped[0] if declared is not None and declared.shaped else None  # (SGD without momentum: none)
-    buffers = [getattr(state, field) for state in states] if field else []  # (comprehensions: torch.compile traces them)
-    if buffers and buffers[0] is not None:  # (SGD before its first step: no buffer yet)
-        check_same_shapes("state", [p.shape for p in leaves], [b.shape for b in buffers], what="parameter",
-                          other="its state's buffers", tail=": a state made by init for other parameters. Nothing was "
-                          "stepped.")
-    shapes = [None if g is None else g.shape for g in grads]  # (comprehensions: torch.compile traces them)
-    check_same_shapes("grads", shapes, [p.shape if s is not None else None for p, s in zip(leaves, shapes)],
-                      what="gradient", other="its parameter", tail=". Nothing was stepped.")
-    if not takes_sparse and any(map(getattr, grads, repeat("is_sparse"), repeat(False))):
-        i = next(i for i, g in enumerate(grads) if g is not None and IS_SPARSE(g))
-        raise ValueError(
-            f"Arg ``grads``: gradient {i} is sparse; {name} takes dense gradients only (torch.optim's neither: "
-            "consider torch.optim.SparseAdam). Nothing was stepped."
-        )
+    return declared.shaped[0] if declared is not None and declared.shaped else None

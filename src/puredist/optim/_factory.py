@@ -11,19 +11,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._validation import Rule, check
-from puredist.optim._checks import check_fits, check_hyper, check_hypers
+from puredist._inputs import check_fits, check_state_count
+from puredist.optim._checks import check_hyper, check_hypers, shaped_field
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
-
-
-_NOT_TENSORS = Rule(lambda states, b: not (states and all(isinstance(s, torch.Tensor) for s in states)), ValueError,
-                    "Arg ``{arg}`` holds tensors where per-parameter states belong: were the arguments given in "
-                    "optax's order, update(grads, state, params)? puredist's is update(params, grads, state), as "
-                    "torch.optim's step updates the parameters.")
-"""A state's rule where it is not per-parameter states: not tensors (arguments swapped)."""
 
 
 def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
@@ -42,9 +35,7 @@ def _per_leaf(spec, state: PyTree, count: int) -> list[NamedTuple]:
                 f"Arg ``state`` must be shaped like ``params`` ({count} parameters, structure {spec}), as init "
                 f"returns it; got a {type(state).__name__} that is not."
             ) from error
-    if len(states) != count or not all(map(declaration, set(map(type, states)))):
-        check("state", states, _NOT_TENSORS)
-        raise ValueError(f"Arg ``state`` holds {len(states)} parameter states for {count} parameters.")
+    check_state_count(states, count, declaration)
     return states
 
 
@@ -150,7 +141,8 @@ class _Built:
         leaves, spec = tree_flatten(params)
         states = _per_leaf(spec, state, len(leaves))
         grad_leaves = spec.flatten_up_to(grads)
-        check_fits(leaves, states, grad_leaves, self.kind, self.takes_sparse)
+        check_fits(leaves, states, grad_leaves, shaped_field=shaped_field, name=self.kind,
+                   takes_sparse=self.takes_sparse)
         return leaves, spec, grad_leaves, states
 
     def update_(self, params: PyTree, grads: PyTree, state: PyTree) -> PyTree:
@@ -198,8 +190,7 @@ class _Built:
         """Raise ``ValueError``, stepping nothing, where a step of parameters with these
         per-parameter states (and, given, these parameters and gradients) would
         (see :attr:`Optimizer.check`)."""
-        if params is not None:
-            check_fits(params, states, grads, self.kind, self.takes_sparse)
+        check_fits(params, states, grads, shaped_field=shaped_field, name=self.kind, takes_sparse=self.takes_sparse)
         self.check_states(states)
 
 

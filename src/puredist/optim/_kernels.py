@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 import torch
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from puredist._inputs import is_transformed, transforms_active
 from puredist._seq import any_none
+from puredist._transforms import is_transformed, transforms_active
 from puredist.optim._out_of_place import runs_foreach
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._inputs import transforms_active, vmap_levels
+from puredist._transforms import transforms_active, vmap_levels
 from puredist.optim._checks import counts_of
 
 

@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._inputs import is_transformed
+from puredist._inputs import check_params_fit
+from puredist._transforms import is_transformed
 from puredist._validation import NON_NEGATIVE_INT
 from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
@@ -30,10 +31,6 @@ from puredist.outer.config import OuterConfig
 from puredist.outer.schedule import due_fragments
 from puredist.outer.state import OuterState
 from puredist.collectives.vmap import VmapCollective
-
-
-def _describe_leaf(leaves: Sequence[torch.Tensor], i: int) -> str:
-    return f"shape {tuple(leaves[i].shape)}, {leaves[i].dtype}" if i < len(leaves) else "none"
 
 
 def check_state(config: OuterConfig, state: object) -> None:
@@ -51,46 +48,8 @@ def check_params(config: OuterConfig, leaves: Sequence[torch.Tensor], state: Out
     for: as many, of the same shapes (and dtypes, where the global copy keeps the
     parameters' own). Leaves are paired by position, so another tree (a frozen
     embedding left out) would pair unrelated tensors."""
-    globals_ = state.global_params
-    same_dtype = config.global_dtype is None
-    # (comprehensions, not operator.attrgetter: torch.compile traces this check and cannot call one)
-    same = len(leaves) == len(globals_) and [t.shape for t in leaves] == [t.shape for t in globals_]
-    if same and same_dtype:
-        same = [t.dtype for t in leaves] == [t.dtype for t in globals_]
-    compressor = config.compressor
-    if same and len(state.residuals) != (len(globals_) if compressor is not None else 0):  # one per parameter, or none
-        raise ValueError(
-            f"Arg ``state`` holds {len(state.residuals)} error-feedback residuals for {len(globals_)} parameters: "
-            f"it was made by init of a transform {'without' if compressor else 'with'} a compressor; this one has "
-            f"{compressor.name if compressor else 'none'}. Init a state with this transform."
-        )
-    if same:
-        return
-    differing = next(
-        (i for i, (leaf, g) in enumerate(zip(leaves, globals_))
-         if leaf.shape != g.shape or (same_dtype and leaf.dtype != g.dtype)),
-        min(len(leaves), len(globals_)),
-    )
-    raise ValueError(
-        f"Arg ``params`` has {len(leaves)} leaves; the state was made by init for {len(globals_)}, and leaf "
-        f"{differing} differs (params: "
-        f"{_describe_leaf(leaves, differing)}, state: {_describe_leaf(globals_, differing)}). Pass the "
-        f"parameters init was given (the same tree), or init a state for these.{_vmap_hint(leaves, globals_, differing)}"
-    )
-
-
-def _vmap_hint(leaves: Sequence[torch.Tensor], globals_: Sequence[torch.Tensor], i: int) -> str:
-    """Where one side has exactly one more leading dimension, what ``vmap``'s dims
-    likely got wrong (a stacked tree passed unmapped), else ``""``."""
-    if i >= min(len(leaves), len(globals_)):
-        return ""
-    param, copy = leaves[i].shape, globals_[i].shape
-    if copy[1:] == param and len(copy) == len(param) + 1:
-        return (" Under torch.func.vmap: a state stacked per replica passed unmapped? Map it with "
-                "in_dims=puredist.tree.vmap_axes(state) (and return it with out_dims=the same).")
-    if param[1:] == copy and len(param) == len(copy) + 1:
-        return " Under torch.func.vmap: stacked parameters passed unmapped? Map them (in_dims=0)."
-    return ""
+    check_params_fit(leaves, state.global_params, state.residuals, same_dtype=config.global_dtype is None,
+                     compressor=getattr(config.compressor, "name", None))
 
 
 def check_collective(config: OuterConfig, collective: Collective) -> None:

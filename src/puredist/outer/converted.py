@@ -21,8 +21,7 @@ from typing import Sequence
 
 import torch
 
-from puredist._inputs import Checked
-from puredist._layout import layout_of, views_like
+from puredist._layout import Checked, layout_of, views_like
 from puredist.collectives import Collective, DistributedCollective
 from puredist.outer.config import OuterConfig
 

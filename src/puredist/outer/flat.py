@@ -36,9 +36,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
-from puredist._inputs import is_transformed
 from puredist._layout import layout_of, views_like
 from puredist._seq import any_none
+from puredist._transforms import is_transformed
 from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
 

@@ -20,7 +20,7 @@ from typing import Collection, Sequence
 
 import torch
 
-from puredist._inputs import Checked
+from puredist._layout import Checked
 from puredist.outer.config import OuterConfig
 
 

@@ -25,7 +25,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import is_dtensor, like, local_shard, local_shards
-from puredist._inputs import Checked, all_real_shards, checked_like
+from puredist._inputs import checked_like
+from puredist._layout import Checked, all_real_shards
 from puredist.outer.config import OuterConfig
 
 

@@ -16,7 +16,7 @@ import torch
 
 from puredist._docs import fields_documented
 from puredist._dtensors import is_dtensor, local_shard
-from puredist._inputs import transforms_active
+from puredist._transforms import transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig

@@ -27,7 +27,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from puredist._dtensors import is_dtensor
-from puredist._inputs import Checked, checked, checked_like
+from puredist._inputs import checked, checked_like
+from puredist._layout import Checked
 from puredist.collectives import Collective, CollectiveHandle, DistributedCollective
 from puredist.compression import compressed_mean, compressed_mean_flat_
 from puredist.optim import copies

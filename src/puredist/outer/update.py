@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from puredist._inputs import is_transformed, transforms_active
+from puredist._transforms import is_transformed, transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, refusing
 from puredist.compression import compressed_mean
