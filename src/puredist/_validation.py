@@ -19,8 +19,9 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
+import re
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 _PERIOD_ONE_WARNING = (
     "When period is 1, no need to use model averaging because the communication cost "
@@ -149,6 +150,64 @@ def check_each(arg: str, values: Sequence[Any], *rules: Rule, **bounds: Any) -> 
     """:func:`check` for each of ``values`` (the elements of the argument ``arg``)."""
     for value in values:
         check(arg, value, *rules, **bounds)
+
+
+def check_all(check_one: Callable[[Any], None] | None, values: Iterable[Any]) -> None:
+    """``check_one(value)`` for each of ``values``, raising what it raises; ``None``:
+    nothing to check (``values`` is not consumed then: pass a generator where making
+    them costs)."""
+    if check_one is None:
+        return
+    for value in values:
+        check_one(value)
+
+
+def check_hypers(values: Mapping[str, Any], *, scheduled: Sequence[str], validate: Callable[[str, Any], None]) -> None:
+    """``validate(name, value)`` (raising what it raises) for each hyper-parameter of
+    ``values`` at construction, but a schedule (a callable) of one in ``scheduled``,
+    whose values :func:`check_schedules` checks at the update."""
+    for name, value in values.items():
+        if not (callable(value) and name in scheduled):
+            validate(name, value)
+
+
+def check_schedules(scheduled: Sequence[str], values_at: Callable[[], Mapping[int, Mapping[str, Any]]],
+                    validate: Callable[[str, Any], None]) -> None:
+    """``validate(name, value)`` (raising what it raises) for the value of each
+    hyper-parameter of ``scheduled`` (a schedule of the step count) at each count:
+    ``values_at() -> {count: {name: value}}``, called only where ``scheduled`` is not
+    empty (reading the counts may wait for the device, or raise where a state keeps
+    none)."""
+    if not scheduled:
+        return
+    for values in values_at().values():
+        for name in scheduled:
+            validate(name, values[name])
+
+
+def check_options(options: object, table: Sequence[tuple[str, Sequence[Rule], Callable[[Any], dict]]]) -> None:
+    """Raise for the first option of ``table`` that ``options`` breaks, in the table's
+    order: each row ``(name, rules, bounds)`` checks ``getattr(options, name)``
+    against ``rules`` with ``bounds(options)`` (see :func:`check`)."""
+    for name, rules, bounds in table:
+        check(name, getattr(options, name), *rules, **bounds(options))
+
+
+def check_entries(arg: str, rows: Sequence[Any], given: Mapping[str, Any], load: Any,
+                  why: Callable[[Any, re.Match, Any, Any], str], *, absent: object) -> None:
+    """Raise ``ValueError("Arg ``arg``: " + why(row, match, value, load))`` for the first
+    row of ``rows`` (in their order) that an entry of ``given`` or of
+    ``load.expected`` (what the entries must agree with; the expected keys first)
+    breaks: a row has ``keys``, a regular expression a key must match whole, and
+    ``agrees(value, expected, match, load)``, with ``absent`` for a side that lacks
+    the key; ``value`` is ``given``'s entry."""
+    expected = load.expected
+    keys = [*expected, *(key for key in given if key not in expected)]
+    for row in rows:
+        for key in keys:
+            match = re.fullmatch(row.keys, key)  # (re caches the compiled rows)
+            if match and not row.agrees(given.get(key, absent), expected.get(key, absent), match, load):
+                raise ValueError(f"Arg ``{arg}``: " + why(row, match, given.get(key, absent), load))
 
 
 def check_same_shapes(arg: str, shapes: Sequence[Any], expected: Sequence[Any], *, what: str, other: str,

@@ -28,16 +28,6 @@ def check_hyper(name: str, value: Any) -> None:
     check(name, value, *HYPERS.get(name, (NON_NEGATIVE,)))
 
 
-def check_hypers(values: dict[str, Any], *, scheduled: Sequence[str],
-                 validate: Callable[[str, Any], None] = check_hyper) -> None:
-    """``validate(name, value)`` (default :func:`check_hyper`) for each of ``values``
-    at construction, but a schedule (a callable) of a hyper-parameter in
-    ``scheduled``, whose values are checked at the update."""
-    for name, value in values.items():
-        if not (callable(value) and name in scheduled):
-            validate(name, value)
-
-
 ONE_KERNEL = Rule(lambda foreach, b: not (foreach and b["fused"]), ValueError,
                   "Args ``{arg}`` ({value}) and ``fused`` ({fused}) cannot both be True: pick one kernel.")
 """``foreach``'s rule, given ``fused``: torch's kernels are chosen one at a time."""

@@ -11,8 +11,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from puredist._validation import Rule, check
-from puredist.optim._checks import check_fits, check_hyper, check_hypers
+from puredist._validation import Rule, check, check_hypers
+from puredist.optim._checks import check_fits, check_hyper
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules
