@@ -93,6 +93,7 @@ RANGE = Rule(lambda v, b: _is_int(v) and b["low"] <= v <= b["high"], ValueError,
              "Arg ``{arg}`` must be an int in [{low}, {high}]{where}, got {value!r}.")
 ONE_OF = Rule(lambda v, b: v in b["choices"], ValueError, "Arg ``{arg}`` must be one of {choices}, got {value!r}.")
 INSTANCE = Rule(lambda v, b: isinstance(v, b["kind"]), TypeError, "Arg ``{arg}`` must be {a}, got {value!r}.")
+INSTANCE_OR_NONE = Rule(lambda v, b: v is None or isinstance(v, b["kind"]), TypeError, INSTANCE.message)
 LEVELS = Rule(lambda v, b: isinstance(v, Mapping), TypeError,
               "Arg ``{arg}`` must be a mapping {{period: group_size}}, got {value!r}.")
 COMPUTE_DTYPE = Rule(  # or None; a float8 has no arithmetic (``excluded``)
@@ -253,9 +254,12 @@ def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int | None)
         warnings.warn(_MAX_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 
-def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
+def check_hierarchy_periods(periods: Sequence[int], *, arg: str, levels_optional: bool = False) -> None:
     """Raise unless ``periods`` (from the argument named ``arg``) is a non-empty,
-    strictly increasing run of ints ``>= 1``."""
+    strictly increasing run of ints ``>= 1`` (or, ``levels_optional``, empty: no
+    level)."""
+    if levels_optional and not periods:
+        return
     check(arg, periods, NOT_EMPTY)
     check_each(arg, periods, INT)
     check(arg, list(periods), MIN_PERIOD, INCREASING)
