@@ -265,11 +265,15 @@ def check_hierarchy_periods(periods: Sequence[int], *, arg: str, levels_optional
     check(arg, list(periods), MIN_PERIOD, INCREASING)
 
 
-def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
+def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str,
+                                member: bool = True) -> None:
     """Raise unless every group size (from the argument named ``arg``) is a positive
     divisor of ``world_size`` and the last one (the top of the hierarchy) equals it
     (first, as torch checks it); ``whole`` names what has ``world_size`` ranks (e.g.
-    ``"arg process_group"``)."""
+    ``"arg process_group"``); ``member`` false: this rank is in none of its groups
+    (nothing to check)."""
+    if not member:
+        return
     check_each(arg, group_sizes, INT)
     check(arg, group_sizes[-1], TOP_IS_WHOLE, world_size=world_size, whole=whole)
     check_each(arg, group_sizes, DIVISOR, world_size=world_size)
