@@ -279,6 +279,16 @@ def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, 
     check_each(arg, group_sizes, DIVISOR, world_size=world_size)
 
 
+def check_owners(outside: Sequence[tuple[int, Any]], *, world_size: int, what: str) -> None:
+    """Raise ``ValueError("{what}: owners must be ranks in [0, {world_size}), got
+    ...")``, naming the first eight of ``outside`` (``(index, owner)`` of each owner,
+    in a plan of who owns which parameter, that is not a rank in ``[0, world_size)``),
+    where it is not empty; ``what`` names the plan."""
+    if outside:
+        found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
+        raise ValueError(f"{what}: owners must be ranks in [0, {world_size}), got {found}.")
+
+
 def _is_device(value: object) -> bool:
     import torch  # (a device is parsed, no tensor touched)
 
