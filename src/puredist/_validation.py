@@ -7,6 +7,13 @@ argument's name and the value. The rules of a configuration run where a transfor
 optimizer or plan is built, before any tensor or process group is touched;
 :func:`check_same_shapes` (an element shaped unlike its counterpart: an optimizer's
 state or gradient, a saved residual) compares shapes the caller reads.
+
+The tables' loops are here too, their rows beside the code they guard:
+:func:`check_options` (a configuration's options), :func:`check_entries` (a
+checkpoint's entries by key pattern), :func:`check_hypers` and
+:func:`check_schedules` (hyper-parameters, a schedule's values at the states'
+counts), :func:`check_all` (a check over several values); and the compound rules
+over plain values: a hierarchy's periods and group sizes, a plan's owners.
 Exception types follow torch's averagers (``ValueError`` for bad values); a wrong
 type is a ``TypeError``. Where torch's classes raise for the same rule, the message
 is torch's.
@@ -195,13 +202,14 @@ def check_options(options: object, table: Sequence[tuple[str, Sequence[Rule], Ca
 
 
 def check_entries(arg: str, rows: Sequence[Any], given: Mapping[str, Any], load: Any,
-                  why: Callable[[Any, re.Match, Any, Any], str], *, absent: object) -> None:
-    """Raise ``ValueError("Arg ``arg``: " + why(row, match, value, load))`` for the first
-    row of ``rows`` (in their order) that an entry of ``given`` or of
-    ``load.expected`` (what the entries must agree with; the expected keys first)
-    breaks: a row has ``keys``, a regular expression a key must match whole, and
-    ``agrees(value, expected, match, load)``, with ``absent`` for a side that lacks
-    the key; ``value`` is ``given``'s entry."""
+                  why: Callable[..., str], *, absent: object) -> None:
+    """Raise ``ValueError`` for the first row of ``rows`` (in their order) that an
+    entry of ``given`` (the argument named ``arg``) or of ``load.expected`` (what its
+    entries must agree with; its keys come first) breaks, the message "Arg
+    ``arg``: " followed by ``why(row, match, value, load)``. A row has ``keys``, a
+    regular expression a key must match whole, and ``agrees(value, expected, match,
+    load)``; ``value`` is ``given``'s entry, ``absent`` stands for a side that lacks
+    the key; ``load``: whatever else the rows read."""
     expected = load.expected
     keys = [*expected, *(key for key in given if key not in expected)]
     for row in rows:
@@ -280,10 +288,10 @@ def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, 
 
 
 def check_owners(outside: Sequence[tuple[int, Any]], *, world_size: int, what: str) -> None:
-    """Raise ``ValueError("{what}: owners must be ranks in [0, {world_size}), got
-    ...")``, naming the first eight of ``outside`` (``(index, owner)`` of each owner,
-    in a plan of who owns which parameter, that is not a rank in ``[0, world_size)``),
-    where it is not empty; ``what`` names the plan."""
+    """Raise ``ValueError`` where ``outside`` is not empty: ``(index, owner)`` of each
+    owner, in a plan of who owns which parameter, that is not a rank in ``[0,
+    world_size)``; the message, "what: owners must be ranks in [0, world_size), got
+    ...", names the first eight (``what`` names the plan)."""
     if outside:
         found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
         raise ValueError(f"{what}: owners must be ranks in [0, {world_size}), got {found}.")
