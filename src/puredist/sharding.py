@@ -28,7 +28,9 @@ import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
-from puredist._validation import AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, Rule, check, check_owners, is_integral
+from puredist._validation import (
+    AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, Rule, check, check_owners, is_integral,
+)
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 

@@ -66,7 +66,7 @@ class OuterConfig:
     text: str = field(init=False)
 
     def __post_init__(self) -> None:
-        check_options(self, _OPTIONS)  # (the lower levels' periods, once they are known to be a mapping)
+        check_options(self, _OPTIONS)  # then the lower levels' periods (a mapping by then)
         check_hierarchy_periods(tuple(self.lower_levels), arg="lower_levels", levels_optional=True)
         lower = dict(self.lower_levels)
         derived = {
@@ -108,4 +108,3 @@ _OPTIONS = (  # (option, its rules, their bounds from the config), checked in th
     ("comm_dtype", (EXCLUSIVE,), lambda c: {"other": "compressor", "given": c.compressor and c.compressor.name,
                                             "why": "the compressor decides the payload."}),
 )
-
