@@ -7,6 +7,13 @@ argument's name and the value. The rules of a configuration run where a transfor
 optimizer or plan is built, before any tensor or process group is touched;
 :func:`check_same_shapes` (an element shaped unlike its counterpart: an optimizer's
 state or gradient, a saved residual) compares shapes the caller reads.
+
+The tables' loops are here too, their rows beside the code they guard:
+:func:`check_options` (a configuration's options), :func:`check_entries` (a
+checkpoint's entries by key pattern), :func:`check_hypers` and
+:func:`check_schedules` (hyper-parameters, a schedule's values at the states'
+counts), :func:`check_all` (a check over several values); and the compound rules
+over plain values: a hierarchy's periods and group sizes, a plan's owners.
 Exception types follow torch's averagers (``ValueError`` for bad values); a wrong
 type is a ``TypeError``. Where torch's classes raise for the same rule, the message
 is torch's.
@@ -19,8 +26,9 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
+import re
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 _PERIOD_ONE_WARNING = (
     "When period is 1, no need to use model averaging because the communication cost "
@@ -92,6 +100,7 @@ RANGE = Rule(lambda v, b: _is_int(v) and b["low"] <= v <= b["high"], ValueError,
              "Arg ``{arg}`` must be an int in [{low}, {high}]{where}, got {value!r}.")
 ONE_OF = Rule(lambda v, b: v in b["choices"], ValueError, "Arg ``{arg}`` must be one of {choices}, got {value!r}.")
 INSTANCE = Rule(lambda v, b: isinstance(v, b["kind"]), TypeError, "Arg ``{arg}`` must be {a}, got {value!r}.")
+INSTANCE_OR_NONE = Rule(lambda v, b: v is None or isinstance(v, b["kind"]), TypeError, INSTANCE.message)
 LEVELS = Rule(lambda v, b: isinstance(v, Mapping), TypeError,
               "Arg ``{arg}`` must be a mapping {{period: group_size}}, got {value!r}.")
 COMPUTE_DTYPE = Rule(  # or None; a float8 has no arithmetic (``excluded``)
@@ -151,6 +160,65 @@ def check_each(arg: str, values: Sequence[Any], *rules: Rule, **bounds: Any) -> 
         check(arg, value, *rules, **bounds)
 
 
+def check_all(check_one: Callable[[Any], None] | None, values: Iterable[Any]) -> None:
+    """``check_one(value)`` for each of ``values``, raising what it raises; ``None``:
+    nothing to check (``values`` is not consumed then: pass a generator where making
+    them costs)."""
+    if check_one is None:
+        return
+    for value in values:
+        check_one(value)
+
+
+def check_hypers(values: Mapping[str, Any], *, scheduled: Sequence[str], validate: Callable[[str, Any], None]) -> None:
+    """``validate(name, value)`` (raising what it raises) for each hyper-parameter of
+    ``values`` at construction, but a schedule (a callable) of one in ``scheduled``,
+    whose values :func:`check_schedules` checks at the update."""
+    for name, value in values.items():
+        if not (callable(value) and name in scheduled):
+            validate(name, value)
+
+
+def check_schedules(scheduled: Sequence[str], values_at: Callable[[], Mapping[int, Mapping[str, Any]]],
+                    validate: Callable[[str, Any], None]) -> None:
+    """``validate(name, value)`` (raising what it raises) for the value of each
+    hyper-parameter of ``scheduled`` (a schedule of the step count) at each count:
+    ``values_at() -> {count: {name: value}}``, called only where ``scheduled`` is not
+    empty (reading the counts may wait for the device, or raise where a state keeps
+    none)."""
+    if not scheduled:
+        return
+    for values in values_at().values():
+        for name in scheduled:
+            validate(name, values[name])
+
+
+def check_options(options: object, table: Sequence[tuple[str, Sequence[Rule], Callable[[Any], dict]]]) -> None:
+    """Raise for the first option of ``table`` that ``options`` breaks, in the table's
+    order: each row ``(name, rules, bounds)`` checks ``getattr(options, name)``
+    against ``rules`` with ``bounds(options)`` (see :func:`check`)."""
+    for name, rules, bounds in table:
+        check(name, getattr(options, name), *rules, **bounds(options))
+
+
+def check_entries(arg: str, rows: Sequence[Any], given: Mapping[str, Any], load: Any,
+                  why: Callable[..., str], *, absent: object) -> None:
+    """Raise ``ValueError`` for the first row of ``rows`` (in their order) that an
+    entry of ``given`` (the argument named ``arg``) or of ``load.expected`` (what its
+    entries must agree with; its keys come first) breaks, the message "Arg
+    ``arg``: " followed by ``why(row, match, value, load)``. A row has ``keys``, a
+    regular expression a key must match whole, and ``agrees(value, expected, match,
+    load)``; ``value`` is ``given``'s entry, ``absent`` stands for a side that lacks
+    the key; ``load``: whatever else the rows read."""
+    expected = load.expected
+    keys = [*expected, *(key for key in given if key not in expected)]
+    for row in rows:
+        for key in keys:
+            match = re.fullmatch(row.keys, key)  # (re caches the compiled rows)
+            if match and not row.agrees(given.get(key, absent), expected.get(key, absent), match, load):
+                raise ValueError(f"Arg ``{arg}``: " + why(row, match, given.get(key, absent), load))
+
+
 def check_same_shapes(arg: str, shapes: Sequence[Any], expected: Sequence[Any], *, what: str, other: str,
                       tail: str = "") -> None:
     """Raise ``ValueError`` naming the first position ``i`` where ``shapes`` (of the
@@ -194,22 +262,39 @@ def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int | None)
         warnings.warn(_MAX_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 
-def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
+def check_hierarchy_periods(periods: Sequence[int], *, arg: str, levels_optional: bool = False) -> None:
     """Raise unless ``periods`` (from the argument named ``arg``) is a non-empty,
-    strictly increasing run of ints ``>= 1``."""
+    strictly increasing run of ints ``>= 1`` (or, ``levels_optional``, empty: no
+    level)."""
+    if levels_optional and not periods:
+        return
     check(arg, periods, NOT_EMPTY)
     check_each(arg, periods, INT)
     check(arg, list(periods), MIN_PERIOD, INCREASING)
 
 
-def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
+def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str,
+                                member: bool = True) -> None:
     """Raise unless every group size (from the argument named ``arg``) is a positive
     divisor of ``world_size`` and the last one (the top of the hierarchy) equals it
     (first, as torch checks it); ``whole`` names what has ``world_size`` ranks (e.g.
-    ``"arg process_group"``)."""
+    ``"arg process_group"``); ``member`` false: this rank is in none of its groups
+    (nothing to check)."""
+    if not member:
+        return
     check_each(arg, group_sizes, INT)
     check(arg, group_sizes[-1], TOP_IS_WHOLE, world_size=world_size, whole=whole)
     check_each(arg, group_sizes, DIVISOR, world_size=world_size)
+
+
+def check_owners(outside: Sequence[tuple[int, Any]], *, world_size: int, what: str) -> None:
+    """Raise ``ValueError`` where ``outside`` is not empty: ``(index, owner)`` of each
+    owner, in a plan of who owns which parameter, that is not a rank in ``[0,
+    world_size)``; the message, "what: owners must be ranks in [0, world_size), got
+    ...", names the first eight (``what`` names the plan)."""
+    if outside:
+        found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
+        raise ValueError(f"{what}: owners must be ranks in [0, {world_size}), got {found}.")
 
 
 def _is_device(value: object) -> bool:

@@ -287,10 +287,11 @@ def hierarchical_averager_warning_at(
         return (index is not None, None if index is None else group_sizes[index])
 
     def check_collective(collective: Collective) -> None:
-        if not collective.is_member:
-            return
+        """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
+        within the hierarchy's group sizes."""
         check_hierarchy_group_sizes(
-            group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective"
+            group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective",
+            member=collective.is_member,
         )
         check_group_sizes(collective, group_sizes, arg="period_group_sizes")
 

@@ -28,7 +28,9 @@ import hashlib
 from typing import NamedTuple, Sequence
 
 from puredist._docs import fields_documented
-from puredist._validation import AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, Rule, check, is_integral
+from puredist._validation import (
+    AT_LEAST_ONE, LENGTH, NON_NEGATIVE_INTS, ONE_OF, PARTITION, Rule, check, check_owners, is_integral,
+)
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
 
@@ -60,8 +62,6 @@ def _outside_of(world_size: int, owners: tuple, kinds: frozenset) -> tuple[tuple
 
 _COVERS = Rule(lambda v, b: b["parameters"] is None or v == b["parameters"], ValueError,  # v: the plan's length
                "{what} covers {value} parameters, ``params`` has {parameters}.")
-_OWNERS = Rule(lambda v, b: not v, ValueError,  # v: (parameter, owner) where the owner is no rank
-               "{what}: owners must be ranks in [0, {world_size}), got {found}.")
 
 
 @fields_documented
@@ -92,9 +92,7 @@ class ZeroPlan(NamedTuple):
         covers ``parameters`` (``None``: any number) and every owner is a rank in
         ``[0, world_size)``."""
         check("plan", len(self.owners), _COVERS, what=what, parameters=parameters)
-        outside = _outside(self.world_size, tuple(self.owners))
-        found = ", ".join(f"{owner!r} at parameter {i}" for i, owner in outside[:8])
-        check("plan", outside, _OWNERS, what=what, world_size=self.world_size, found=found)
+        check_owners(_outside(self.world_size, tuple(self.owners)), world_size=self.world_size, what=what)
 
     def loads(self, sizes: Sequence[int]) -> list[int]:
         """Elements owned by each rank, given each parameter's element count.

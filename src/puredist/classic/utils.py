@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from puredist._validation import Rule, check
 from puredist.averaging import average_
 from puredist.collectives import DistributedCollective
 
@@ -36,6 +37,12 @@ def average_parameters(params: Iterator[torch.nn.Parameter], process_group: dist
     average_(list(params), collective=DistributedCollective(process_group))
 
 
+_PARAM_GROUP = Rule(lambda v, b: isinstance(v, dict), NotImplementedError,  # (where an element is no Parameter)
+                    "Parameter input of type {value.__class__} is not supported")
+"""An element of ``params`` that is not a ``Parameter`` must be a param-group dict
+(torch's exception type and message)."""
+
+
 def get_params_to_average(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
 ) -> list[torch.nn.Parameter]:
@@ -51,11 +58,10 @@ def get_params_to_average(
     for param in params:  # read once and in order, as torch does: a bad element raises when it is reached
         if isinstance(param, torch.nn.Parameter):
             run.append(param)
-        elif isinstance(param, dict):
+        else:
+            check("params", param, _PARAM_GROUP)
             selected += _with_grad(run) + _with_grad(list(param["params"]))  # (a group's may be an iterator)
             run = []
-        else:
-            raise NotImplementedError(f"Parameter input of type {type(param)} is not supported")
     return selected + _with_grad(run)
 
 

@@ -125,6 +125,10 @@ def top_k(fraction: float) -> Compressor:
     return Compressor(f"top_k({fraction})", encode, decode)
 
 
+IS_COMPRESSOR = {"kind": Compressor, "a": "a puredist Compressor (e.g. int8_blocks())"}
+"""The bounds of the rule ``INSTANCE`` (or ``INSTANCE_OR_NONE``) for a compressor."""
+
+
 def check_compressor(compressor: object) -> None:
     """Raise ``TypeError`` unless ``compressor`` is a :class:`Compressor`."""
-    check("compressor", compressor, INSTANCE, kind=Compressor, a="a puredist Compressor (e.g. int8_blocks())")
+    check("compressor", compressor, INSTANCE, **IS_COMPRESSOR)

@@ -6,7 +6,7 @@ This module must not step anything.
 """
 
 from itertools import repeat
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -27,16 +27,6 @@ def check_hyper(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` satisfies hyper-parameter ``name``'s
     rules (:data:`HYPERS`; a non-negative number where it has none)."""
     check(name, value, *HYPERS.get(name, (NON_NEGATIVE,)))
-
-
-def check_hypers(values: dict[str, Any], *, scheduled: Sequence[str],
-                 validate: Callable[[str, Any], None] = check_hyper) -> None:
-    """``validate(name, value)`` (default :func:`check_hyper`) for each of ``values``
-    at construction, but a schedule (a callable) of a hyper-parameter in
-    ``scheduled``, whose values are checked at the update."""
-    for name, value in values.items():
-        if not (callable(value) and name in scheduled):
-            validate(name, value)
 
 
 ONE_KERNEL = Rule(lambda foreach, b: not (foreach and b["fused"]), ValueError,

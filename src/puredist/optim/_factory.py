@@ -12,7 +12,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._inputs import check_fits, check_state_count
-from puredist.optim._checks import check_hyper, check_hypers, shaped_field
+from puredist._validation import check_hypers
+from puredist.optim._checks import check_hyper, shaped_field
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
 from puredist.optim.schedules import Hyper, Step, with_schedules

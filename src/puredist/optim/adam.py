@@ -12,8 +12,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from puredist._docs import fields_documented
 from puredist._seq import any_complex, rows_of
-from puredist._validation import check
-from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hypers
+from puredist._validation import check, check_hypers
+from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hyper
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
@@ -55,7 +55,8 @@ class AMSGradParamState(NamedTuple):
 def _adam_family(
     lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable: bool, decoupled: bool
 ) -> Optimizer:
-    check_hypers(dict(eps=eps, weight_decay=weight_decay, lr=lr, betas=betas), scheduled=("lr", "weight_decay", "betas"))
+    check_hypers(dict(eps=eps, weight_decay=weight_decay, lr=lr, betas=betas), scheduled=("lr", "weight_decay", "betas"),
+                 validate=check_hyper)
     check("foreach", foreach, ONE_KERNEL, fused=fused)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState | AMSGradParamState:

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from puredist._transforms import transforms_active, vmap_levels
+from puredist._validation import check_schedules
 from puredist.optim._checks import counts_of
 
 
@@ -71,14 +72,19 @@ def with_schedules(
     alone, stepping nothing."""
     scheduled = [name for name, value in hypers.items() if callable(value)]
 
+    def counts_of_states(states) -> list[int]:
+        return read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
+
+    def values_at(counts: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """``{count: {name: value}}``: each hyper-parameter's value at each of
+        ``counts`` (a schedule's at that count)."""
+        return {count: {name: value(count) if callable(value) else value for name, value in hypers.items()}
+                for count in sorted(set(counts))}
+
     def values_by_count(states) -> tuple[list[int], dict[int, dict[str, Any]]]:
-        counts = read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
-        groups = {}
-        for count in sorted(set(counts)):
-            values = {name: value(count) if callable(value) else value for name, value in hypers.items()}
-            for name in scheduled:
-                validate(name, values[name])
-            groups[count] = values
+        counts = counts_of_states(states)
+        groups = values_at(counts)
+        check_schedules(scheduled, lambda: groups, validate)
         return counts, groups
 
     def step(params, grads, states, traced):
@@ -98,7 +104,6 @@ def with_schedules(
     def check_states(states: Sequence[NamedTuple]) -> None:
         """Raise ``ValueError`` where a step of parameters with these per-parameter
         states would (a schedule's value at their counts out of range); step nothing."""
-        if scheduled and states:
-            values_by_count(states)
+        check_schedules(scheduled, lambda: values_at(counts_of_states(states)), validate)
 
     return step, check_states

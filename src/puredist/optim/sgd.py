@@ -13,8 +13,8 @@ from torch.optim.sgd import sgd as _sgd_kernel
 
 from puredist._docs import fields_documented
 from puredist._seq import any_none, rows_of
-from puredist._validation import Rule, check
-from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hypers, counts_of
+from puredist._validation import Rule, check, check_hypers
+from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hyper, counts_of
 from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
@@ -121,7 +121,8 @@ def sgd(
             momentum or with dampening; a momentum schedule with dampening; ``fused``
             and ``foreach`` both True.
     """
-    check_hypers(dict(lr=lr, momentum=momentum, weight_decay=weight_decay), scheduled=("lr", "momentum", "weight_decay"))
+    check_hypers(dict(lr=lr, momentum=momentum, weight_decay=weight_decay), scheduled=("lr", "momentum", "weight_decay"),
+                 validate=check_hyper)
     check("foreach", foreach, ONE_KERNEL, fused=fused)
     check("nesterov", nesterov, _NESTEROV, momentum=momentum, dampening=dampening)
     check("dampening", dampening, _UNDAMPED_SCHEDULE, momentum=momentum)

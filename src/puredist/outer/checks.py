@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from puredist._inputs import check_params_fit
 from puredist._transforms import is_transformed
-from puredist._validation import NON_NEGATIVE_INT
+from puredist._validation import NON_NEGATIVE_INT, check_entries
 from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
 from puredist.optim.base import declaration
@@ -204,14 +204,9 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
     can be loaded on ``rank`` (nothing is built before it passes): the first row of
     :data:`SAVED` that an entry of ``saved`` or of ``expected`` (this transform's
     checkpoint of the template ``state``, :func:`puredist.outer.checkpoint.state_dict`)
-    breaks, its rows in their order."""
-    load = _load(config, state, saved, expected, rank)
-    keys = [*load.expected, *(key for key in saved if key not in load.expected)]
-    for row in SAVED:
-        for key in keys:
-            match = re.fullmatch(row.keys, key)  # (re caches the compiled rows)
-            if match and not row.agrees(saved.get(key, ABSENT), load.expected.get(key, ABSENT), match, load):
-                raise ValueError("Arg ``saved``: " + _why(row, match, saved.get(key, ABSENT), load))
+    breaks, its rows in their order (the table loop
+    :func:`~puredist._validation.check_entries`)."""
+    check_entries("saved", SAVED, saved, _load(config, state, saved, expected, rank), _why, absent=ABSENT)
 
 
 _APPLY_STEP = re.compile(r"in_flight\.(\d+)\.apply_step")

@@ -19,10 +19,11 @@ import torch
 
 from puredist._inputs import FLOAT8
 from puredist._validation import (
-    COMPUTE_DTYPE, COUNT, DEVICE, EXCLUSIVE, HOLDS_VALUES, INSTANCE, LEVELS, PERIOD, RANGE, check,
-    check_hierarchy_periods,
+    COMPUTE_DTYPE, COUNT, DEVICE, EXCLUSIVE, HOLDS_VALUES, INSTANCE, INSTANCE_OR_NONE, LEVELS, PERIOD, RANGE,
+    check_hierarchy_periods, check_options,
 )
-from puredist.compression import Compressor, check_compressor
+from puredist.compression import Compressor
+from puredist.compression.codecs import IS_COMPRESSOR
 from puredist.optim import Optimizer
 from puredist.schedules import hierarchical_schedule
 
@@ -65,7 +66,8 @@ class OuterConfig:
     text: str = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_options(self)
+        check_options(self, _OPTIONS)  # then the lower levels' periods (a mapping by then)
+        check_hierarchy_periods(tuple(self.lower_levels), arg="lower_levels", levels_optional=True)
         lower = dict(self.lower_levels)
         derived = {
             "lower_levels": lower,
@@ -91,7 +93,7 @@ class OuterConfig:
         return f"{reason}\n  (transform: {self.text})"
 
 
-_OPTIONS = (  # (option, its rules, their bounds from the config), checked in this order
+_OPTIONS = (  # (option, its rules, their bounds from the config), checked in this order by check_options
     ("outer", (INSTANCE,), lambda c: {"kind": Optimizer, "a": "a puredist optimizer (e.g. sgd(0.7, momentum=0.9, "
                                       "nesterov=True))"}),
     ("comm_dtype", (COMPUTE_DTYPE,), lambda c: {"excluded": FLOAT8}),
@@ -102,17 +104,7 @@ _OPTIONS = (  # (option, its rules, their bounds from the config), checked in th
     ("warmup_steps", COUNT, lambda c: {}),
     ("delay", (RANGE,), lambda c: {"low": 0, "high": c.sync_every - 1, "where": f" for sync_every={c.sync_every}"}),
     ("fragments", (RANGE,), lambda c: {"low": 1, "high": c.sync_every, "where": f" for sync_every={c.sync_every}"}),
+    ("compressor", (INSTANCE_OR_NONE,), lambda c: IS_COMPRESSOR),
+    ("comm_dtype", (EXCLUSIVE,), lambda c: {"other": "compressor", "given": c.compressor and c.compressor.name,
+                                            "why": "the compressor decides the payload."}),
 )
-
-
-def _check_options(config: OuterConfig) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the first bad option and its value
-    (``_OPTIONS``' rules, then the compressor's and the lower levels' periods)."""
-    for option, rules, bounds in _OPTIONS:
-        check(option, getattr(config, option), *rules, **bounds(config))
-    if config.compressor is not None:
-        check_compressor(config.compressor)
-    check("comm_dtype", config.comm_dtype, EXCLUSIVE, other="compressor",
-          given=config.compressor and config.compressor.name, why="the compressor decides the payload.")
-    if config.lower_levels:
-        check_hierarchy_periods(tuple(config.lower_levels), arg="lower_levels")

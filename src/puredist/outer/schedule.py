@@ -79,6 +79,14 @@ def is_first_sync(config: OuterConfig, fragment: int, start_step: int) -> bool:
     return sync_number(config, fragment, start_step) == 0
 
 
+def outer_step_fragments(config: OuterConfig, step: int) -> list[int]:
+    """The fragments whose synchronization is applied at ``step`` as an outer step:
+    started ``delay`` steps before, and not the fragment's first (which only
+    averages)."""
+    started = step - config.delay
+    return [f for f in due_fragments(config, started) if not is_first_sync(config, f, started)]
+
+
 def lower_level_fragments(config: OuterConfig, step: int, busy: Collection[int]) -> tuple[int | None, list[int]]:
     """``(level, fragments)``: the index into ``config.lower_sizes`` of the lower level
     that averages at ``step`` (``None``: none) and the fragments it averages: those not

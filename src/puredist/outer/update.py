@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from puredist._transforms import is_transformed, transforms_active
+from puredist._validation import check_all
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, refusing
 from puredist.compression import compressed_mean
@@ -26,7 +27,9 @@ from puredist.outer.checks import (
     check_collective, check_initial_copy, check_params, check_state, initial_check_context,
 )
 from puredist.outer.config import OuterConfig
-from puredist.outer.schedule import due_fragments, fragment_leaves, is_first_sync, lower_level_fragments
+from puredist.outer.schedule import (
+    due_fragments, fragment_leaves, is_first_sync, lower_level_fragments, outer_step_fragments,
+)
 from puredist.outer.state import OuterState
 from puredist.outer.sync import SyncContext, apply, issue, pseudo_gradient, start
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
@@ -43,7 +46,7 @@ class _LowerContext(NamedTuple):
         return f"{self.config} lower level at step {self.step}"
 
 
-def _checked_inputs(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
+def _leaves_and_fragments(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
     """``(leaves, treespec, leaf indices per fragment)`` of ``params``, once the inputs
     passed :mod:`puredist.outer.checks` (at step 0, the initial copy's too). Where
     this rank's inputs fail, its refusal first goes through the rank check its peers
@@ -95,11 +98,9 @@ def _check_outer_steps(config: OuterConfig, state: OuterState, fragments) -> Non
     would refuse a step applied at ``state``'s step (a schedule's value out of range,
     :attr:`~puredist.Optimizer.check`): the synchronizations the schedule applies now,
     those started ``delay`` steps before (in flight, or due now without a delay; a
-    fragment's first only averages)."""
-    started = state.step - config.delay
-    for f in due_fragments(config, started) if config.outer.check is not None else ():
-        if not is_first_sync(config, f, started):
-            config.outer.check([state.outer_state[i] for i in fragments[f]])
+    fragment's first only averages: :func:`~puredist.outer.schedule.outer_step_fragments`)."""
+    check_all(config.outer.check, ([state.outer_state[i] for i in fragments[f]]
+                                   for f in outer_step_fragments(config, state.step)))
 
 
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
@@ -116,7 +117,7 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
 def _step_(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> OuterState:
     """:func:`update_` of a state known to be an :class:`OuterState` (:func:`update`
     checked it, or built it)."""
-    leaves, _, fragments = _checked_inputs(config, params, state, collective, traced=False)
+    leaves, _, fragments = _leaves_and_fragments(config, params, state, collective, traced=False)
     _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
     in_flight = [
         item._replace(handle=issue(config, item.pseudo_grads, item.apply_step - config.delay, item.fragment, collective))
@@ -214,7 +215,7 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
                 "delayed one is carried in the state by handles and snapshots that no transform can map."
             )
         )
-    leaves, spec, fragments = _checked_inputs(config, params, state, collective, traced=True)
+    leaves, spec, fragments = _leaves_and_fragments(config, params, state, collective, traced=True)
     global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)
     residuals = list(state.residuals)
     due = due_fragments(config, state.step)
