@@ -15,6 +15,10 @@ group (a hierarchical schedule where one rank is at a whole-group step and anoth
 a subgroup step) wait in different checks: their backend's timeout ends it, as a
 :class:`~puredist.CollectiveError` that says nothing was changed.
 
+The other checks of the ranks' agreement live here too, each given what it needs by
+its caller (this module imports no collective): torchft's replica verdict
+(:func:`check_replica_sums`, :func:`check_same_values`).
+
 This module must not change a tensor: it reads metadata and values and exchanges
 summaries only.
 """
@@ -22,7 +26,7 @@ summaries only.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,6 +130,43 @@ def gather_value_digests(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, digests, group=group)
     return [g.tolist() for g in gathered]
+
+
+def check_same_values(given: Any, context: str, *, compare: Callable[[Any, str], None]) -> None:
+    """Raise, through ``compare``, unless every torchft replica holds the same values in
+    ``given`` (checked tensors: their ``reduced`` tensors and ``layout``):
+    ``compare(given, agreed)`` is the replicas' rank check, which raises
+    :class:`RankMismatchError` on every replica unless ``agreed`` is the same on each
+    (:func:`check_replica_sums`); ``agreed`` holds ``given``'s layout summary,
+    ``context`` and a :func:`value_digest` of each reduced tensor."""
+    digests = " ".join(str(value_digest(t)) for t in given.reduced)
+    compare(given, f"{given.layout.summary(given)} {context} values {digests}")
+
+
+def check_replica_sums(sums: Sequence[int], at: str, *, vote_against: Callable[[Exception], None]) -> int:
+    """torchft's replica verdict, from the rank check's rows summed over the quorum,
+    ``[checked, s1, q1, s2, q2, contributors, refusing]`` (see
+    :mod:`puredist.ft.collective`: the checked replicas agree iff ``checked * q ==
+    s**2`` for both digests, equality in Cauchy-Schwarz): the number of contributing
+    replicas. The sums are the same on every replica, so all decide alike; before
+    raising, each calls ``vote_against(error)`` (it records the error and votes
+    against the step).
+
+    Raises:
+        RankMismatchError: the checked replicas disagree, or none contributes
+            (``at`` names the step).
+        ValueError: some replica refused the step.
+    """
+    members, s1, q1, s2, q2, count, refusing = sums
+    error = None
+    if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
+        error = RankMismatchError.of_replicas(at, count)
+    elif refusing:
+        error = ValueError(f"{at}: {refusing} replica(s) refused the step; nothing was changed.")
+    if error is not None:
+        vote_against(error)
+        raise error
+    return count
 
 
 def value_digest(tensor: torch.Tensor) -> int:
