@@ -16,8 +16,9 @@ a subgroup step) wait in different checks: their backend's timeout ends it, as a
 :class:`~puredist.CollectiveError` that says nothing was changed.
 
 The other checks of the ranks' agreement live here too, each given what it needs by
-its caller (this module imports no collective): torchft's replica verdict
-(:func:`check_replica_sums`, :func:`check_same_values`).
+its caller (this module imports no collective or optimizer): torchft's replica
+verdict (:func:`check_replica_sums`, :func:`check_same_values`), and a loaded
+optimizer state being each rank's own (:func:`check_loaded_own`).
 
 This module must not change a tensor: it reads metadata and values and exchanges
 summaries only.
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from puredist._dtensors import local_shard
+from puredist._host_groups import exchange
 from puredist._layout import Layout, digest, layout_of
 from puredist.errors import RankMismatchError
 
@@ -169,7 +171,50 @@ def check_replica_sums(sums: Sequence[int], at: str, *, vote_against: Callable[[
     return count
 
 
+def check_loaded_own(loaded: tuple[bool, str, int], params: Sequence[torch.Tensor], group: dist.ProcessGroup, *,
+                     who: str) -> None:
+    """At the first step after a load (every rank of ``group`` calls it): raise
+    ``RuntimeError`` on every rank of ``group``, naming ``who``, where some rank loaded
+    optimizer state that is not its own or holds parameters other than those saved
+    with it: ``loaded`` is ``(foreign, the saved parameters' digest, their count)`` as
+    the load found them, compared with the :func:`tensors_digest` of the first
+    ``count`` of ``params`` (groups added since the load are not the checkpoint's).
+    One small all-reduce over ``group``'s host side (its device where it has none)."""
+    foreign, saved, count = loaded
+    if _any_rank(foreign or saved != tensors_digest(params[:count]), group):
+        raise RuntimeError(_FOREIGN.format(who))
+
+
+_FOREIGN = (
+    "{}: some rank would resume from another rank's parameters or optimizer state (between averagings they differ by "
+    "rank, and torch.distributed.checkpoint keeps one copy of each key); nothing was stepped (the state loaded last, "
+    "or the parameters, are not those this rank saved them with: load this rank's own checkpoint). Checkpoint per "
+    "rank instead: each rank torch.save-s its model's and this optimizer's state_dict() to a file of its own."
+)
+
+
+def _any_rank(flag: bool, group: dist.ProcessGroup) -> bool:
+    """Whether ``flag`` holds on some rank of ``group`` (each of its ranks calls it)."""
+    over, device = exchange(group)
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=over)
+    return bool(value.item())
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A digest of the tensors' bytes, in order (hex): what a rank records of its own
+    state when it saves, for :func:`check_loaded_own`."""
+    digest_ = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        digest_.update(_bytes(tensor))
+    return digest_.hexdigest()
+
+
 def value_digest(tensor: torch.Tensor) -> int:
     """A 64-bit digest of ``tensor``'s bytes, hashed on the host: equal values, equal digests."""
-    data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()  # (0-dim too)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(_bytes(tensor), digest_size=8).digest(), "little", signed=True)
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    """``tensor``'s values as bytes, read on the host (0-dim too)."""
+    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
