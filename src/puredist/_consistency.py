@@ -16,9 +16,11 @@ a subgroup step) wait in different checks: their backend's timeout ends it, as a
 :class:`~puredist.CollectiveError` that says nothing was changed.
 
 The other checks of the ranks' agreement live here too, each given what it needs by
-its caller (this module imports no collective or optimizer): torchft's replica
-verdict (:func:`check_replica_sums`, :func:`check_same_values`), and a loaded
-optimizer state being each rank's own (:func:`check_loaded_own`).
+its caller (this module imports no collective, optimizer or transform): the same
+values on every rank (the initial copy of a DiLoCo step,
+:func:`check_copy_replicated`), torchft's replica verdict
+(:func:`check_replica_sums`, :func:`check_same_values`), and a loaded optimizer
+state being each rank's own (:func:`check_loaded_own`).
 
 This module must not change a tensor: it reads metadata and values and exchanges
 summaries only.
@@ -26,6 +28,7 @@ summaries only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Callable, Sequence
 
@@ -132,6 +135,34 @@ def gather_value_digests(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     gathered = [torch.empty_like(digests) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, digests, group=group)
     return [g.tolist() for g in gathered]
+
+
+def check_copy_replicated(copies: Sequence[torch.Tensor], collective: Any, *, on_host: bool,
+                          is_transformed: Callable[[torch.Tensor], bool], explain: Callable[[str], str],
+                          context: str) -> None:
+    """At a DiLoCo transform's step 0: raise :class:`RankMismatchError` on every rank
+    unless the global copy made by ``init`` (``copies``) is the same on every rank,
+    by ``collective.check_replicated`` with ``context``.
+
+    Args:
+        on_host: the collective reads the copies on the host (any but a
+            :class:`~puredist.VmapCollective`, which checks the replicas' copies
+            itself): they are read as plain tensors, also under a ``torch.func``
+            transform or ``torch.compile``, which only an unmapped copy allows.
+        is_transformed: whether a ``torch.func`` transform maps a tensor.
+        explain: the transform's configuration around a message (``OuterConfig.explain``).
+
+    Raises:
+        NotImplementedError: ``on_host``, and a transform maps a copy.
+    """
+    if on_host and any(is_transformed(t) for t in copies):
+        raise NotImplementedError(explain(
+            "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
+            "which a torch.func transform hides when it maps the copy: pass the state of init unmapped, "
+            "take step 0 outside the transform, or (under vmap) average with a VmapCollective."))
+    with torch._C._DisableFuncTorch() if on_host else contextlib.nullcontext():  # (plain tensors, read as eagerly)
+        collective.check_replicated(list(copies), what=explain("the initial parameters (the global copy made by init)"),
+                                    context=context)
 
 
 def check_same_values(given: Any, context: str, *, compare: Callable[[Any, str], None]) -> None:
