@@ -29,7 +29,6 @@ Differences on purpose:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import warnings
@@ -38,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from puredist._host_groups import exchange
+from puredist._consistency import check_loaded_own, tensors_digest
 from puredist.classic.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -50,13 +49,6 @@ LOCAL_DIGEST_KEY = "puredist_local_state_digest"
 """Prefix of the param-group entry (``<prefix>.rank<r>``) holding digests of rank
 ``r``'s own parameters and optimizer state when it saved: ``"<parameters>:<state>"``
 (an entry without ``:``, from an older puredist, is not checked)."""
-
-_FOREIGN = (
-    "some rank would resume from another rank's parameters or optimizer state (between averagings they differ "
-    "by rank, and torch.distributed.checkpoint keeps one copy of each key); {}. Checkpoint per rank instead: each "
-    "rank torch.save-s its model's and this optimizer's state_dict() to a file of its own."
-)
-
 
 _DCP_INITIALIZER = ("_init_optim_state", os.path.join("distributed", "checkpoint", "state_dict.py"))
 
@@ -80,29 +72,12 @@ def _called_by_checkpoint_initialization() -> bool:
     return False
 
 
-def _digest(tensors: list[torch.Tensor]) -> str:
-    """A digest of the tensors' bytes, in order."""
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in tensors:
-        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _state_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:
     """The optimizer state's tensors, in parameter order (the ids in ``param_groups``:
     ints from ``state_dict()``, names through DCP)."""
     ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
     state = state_dict["state"]
     return [value for pid in ids for _, value in sorted(state.get(pid, {}).items()) if isinstance(value, torch.Tensor)]
-
-
-def _any_rank(flag: bool, group: dist.ProcessGroup) -> bool:
-    """Whether ``flag`` holds on some rank of ``group`` (each of its ranks calls it: one
-    small all-reduce over the group's host side, or its device where it has none)."""
-    over, device = exchange(group)
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=over)
-    return bool(value.item())
 
 
 def _rank() -> int | None:
@@ -158,7 +133,8 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         state_dict = self.optim.state_dict()
         state_dict["step"] = self.averager.step
         rank = _rank()
-        digest = f"{_digest(self._params())}:{_digest(_state_tensors(state_dict))}" if rank is not None else None
+        digest = (f"{tensors_digest(self._params())}:{tensors_digest(_state_tensors(state_dict))}"
+                  if rank is not None else None)
         for group in state_dict["param_groups"]:
             group[AVERAGER_STEP_KEY] = self.averager.step
             if digest is not None:
@@ -188,20 +164,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # parameters are equal, as right after an averaging)
         params_digest, _, state_digest = (own or "").partition(":")
         count = sum(len(group["params"]) for group in state_dict["param_groups"])  # (groups added since: not saved)
-        return own is None or state_digest != _digest(tensors), params_digest, count
-
-    def _check_loaded(self) -> None:
-        """At the first step after a load: raise on every rank of the averager's group,
-        before stepping, if some rank loaded optimizer state that is not its own or
-        holds parameters other than those it was saved with (and keep refusing, at
-        every step, until the next load)."""
-        foreign, saved, count = self._loaded
-        group = getattr(self.averager, "process_group", None) or dist.group.WORLD
-        if _any_rank(foreign or saved != _digest(self._params()[:count]), group):
-            raise RuntimeError("PostLocalSGDOptimizer.step: " + _FOREIGN.format(
-                "nothing was stepped (the state loaded last, or the parameters, are not those this rank saved "
-                "them with: load this rank's own checkpoint)"))
-        self._loaded = None
+        return own is None or state_digest != tensors_digest(tensors), params_digest, count
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the local optimizer's state and restore the averager's step.
@@ -246,8 +209,10 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                 that step.
         """
         initializing = _called_by_checkpoint_initialization()
-        if self._loaded is not None and not initializing:
-            self._check_loaded()
+        if self._loaded is not None and not initializing:  # (a refusal keeps refusing, at every step, until a load)
+            group = getattr(self.averager, "process_group", None) or dist.group.WORLD
+            check_loaded_own(self._loaded, self._params(), group, who="PostLocalSGDOptimizer.step")
+            self._loaded = None
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         if not initializing:
             self.averager.average_parameters(params=self.param_groups)

@@ -21,8 +21,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from puredist.errors import RankMismatchError
-from puredist._validation import Rule, check, check_each, is_integral
+from puredist._consistency import check_member_group_sizes, check_same_digests
+from puredist._validation import Rule, check, is_integral
 from puredist.staging import CollectiveHandle
 
 __all__ = [
@@ -91,10 +91,8 @@ class Collective(Protocol):
         holds the same values in ``tensors``: the one comparison of every backend's
         :meth:`value_digests` (a backend subclassing this protocol inherits it);
         ``what`` names the tensors in the message, ``context`` as for :meth:`mean_`."""
-        rows = self.value_digests(tensors, what=what, context=context)
-        differing = [i for i in range(len(tensors)) if any(row[i] != rows[0][i] for row in rows)]
-        if differing:
-            raise RankMismatchError.of_values(differing, len(tensors), what, simulated=self.simulated)
+        check_same_digests(self.value_digests(tensors, what=what, context=context), len(tensors), what,
+                           simulated=self.simulated)
 
 
 _IS_COLLECTIVE = Rule(lambda v, b: callable(getattr(v, "mean_", None)), TypeError,
@@ -127,8 +125,7 @@ SUPPORTED_GROUP_SIZE = group_size_rule(  # (a collective with subgroups: Distrib
 def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: str) -> None:
     """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
     within one of ``group_sizes`` (from the argument named ``arg``)."""
-    if collective.is_member:
-        check_each(arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
+    check_member_group_sizes(collective.is_member, arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
 
 
 class refusing:  # (a context manager: named as contextlib.suppress is)

@@ -21,15 +21,13 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._consistency import gather_value_digests, start_rank_check, with_refusal
+from puredist._consistency import check_same_on_all_ranks, gather_value_digests, refuse_on_all_ranks, start_rank_check
 from puredist._groups import mesh_groups, subgroups_of
-from puredist._dtensors import local_shard
-from puredist._host_groups import averages_natively, backends_by_device, exchange, make_twins
+from puredist._host_groups import averages_natively, backends_by_device, make_twins
 from puredist._inputs import checked, checked_for_reduction, checked_like
 from puredist._layout import Checked
 from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
 from puredist.collectives.base import SUPPORTED_GROUP_SIZE, Collective, divides_first, refusing
-from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 from puredist.staging import (
     DEVICE_BUCKET_CAP_BYTES,
     HOST_BUCKET_CAP_BYTES,
@@ -85,10 +83,6 @@ def _runs_eagerly(method):
         return method(*args, **kwargs)
 
     return runs_eagerly
-
-
-def _nothing() -> None:
-    """A rank check that checks nothing (``check_consistency`` off)."""
 
 
 class _WithOptions(NamedTuple):
@@ -260,11 +254,7 @@ class DistributedCollective(Collective):
         instead of waiting for this rank until the backend's timeout. Returns (the
         caller then raises its own error); a no-op where nothing is checked (as
         :meth:`check_same_on_all_ranks`)."""
-        try:
-            self.check_same_on_all_ranks([], context=with_refusal(str(context), reason), what="one averaging all-reduce",
-                                         group_size=group_size)
-        except (RankMismatchError, CollectiveError):
-            pass  # (what the peers raise; this rank raises the error it found)
+        refuse_on_all_ranks(self.check_same_on_all_ranks, reason, group_size=group_size, context=context)
 
     def _average_over(self, group: dist.ProcessGroup, given: Checked, *, async_op: bool, context: str) -> CollectiveHandle | None:
         """:meth:`mean_` over ``group`` once the tensors are checked, at any group size."""
@@ -305,22 +295,28 @@ class DistributedCollective(Collective):
         return list(AllReduceMean.apply(self, group_size, context, *tensors))
 
     @_runs_eagerly
-    def check_same_on_all_ranks(
-        self, tensors: Sequence[torch.Tensor], *, context: str, what: str, group_size: int | None = None
-    ) -> None:
+    def check_same_on_all_ranks(self, tensors: Sequence[torch.Tensor], *, context: str, what: str,
+                                group_size: int | None = None) -> None:
         """Raise :class:`~puredist.RankMismatchError` on every rank of the group of
         ``group_size`` (``None``: the whole group) unless all pass tensors of the same
         layouts and the same ``context`` (one small all-gather); if its own collective
         fails (a peer is gone), a :class:`CollectiveError` saying that nothing was
         changed. A no-op where nothing is checked: ``check_consistency`` off, not a
         member, one rank, no group of that size."""
-        group = self._groups.get(self._world_size if group_size is None else group_size)
-        if self._is_member and group is not None and dist.get_world_size(group) > 1:
-            (self._start_check(tensors, group, context=context, what=what) or _nothing)()
+        check_same_on_all_ranks(tensors, self._group_to_check(group_size),
+                                layout=tensors.layout if isinstance(tensors, Checked) else None,
+                                context=_WithOptions(self._options, context), what=what)
 
-    def _start_check(
-        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, context: str, what: str
-    ) -> Callable[[], None] | None:
+    def _group_to_check(self, group_size: int | None) -> dist.ProcessGroup | None:
+        """The group of ``group_size`` that :meth:`check_same_on_all_ranks` checks:
+        ``None`` where it checks nothing (``check_consistency`` off, not a member, no
+        group of that size)."""
+        if not (self.check_consistency and self._is_member):
+            return None
+        return self._groups.get(self._world_size if group_size is None else group_size)
+
+    def _start_check(self, given: Checked, group: dist.ProcessGroup, *, context: str, what: str
+                     ) -> Callable[[], None] | None:
         """The rank check of :meth:`check_same_on_all_ranks` over ``group``, begun: this
         rank's summary is sent, and the call returned finishes the check (raising as
         :meth:`check_same_on_all_ranks` does, with this collective's options that shape
@@ -328,27 +324,8 @@ class DistributedCollective(Collective):
         where nothing is checked. Nothing may be sent between the two."""
         if not self.check_consistency:
             return None
-        over, device = exchange(group)
-        layout = tensors.layout if isinstance(tensors, Checked) else None
-
-        def unchanged(cause: Exception) -> CollectiveError:
-            return nothing_changed([local_shard(t) for t in tensors], what, cause)
-
-        try:
-            pending = start_rank_check(
-                tensors, over, layout=layout, device=device, context=_WithOptions(self._options, context), what=what
-            )
-        except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
-            raise unchanged(cause) from cause
-
-        def finish() -> None:
-            try:
-                pending.finish()
-            except RankMismatchError:
-                raise
-            except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
-                raise unchanged(cause) from cause
-        return finish
+        return start_rank_check(given, group, layout=given.layout, context=_WithOptions(self._options, context),
+                                what=what).finish
 
     @_runs_eagerly
     def value_digests(self, tensors: Sequence[torch.Tensor], *, what: str, context: str = "") -> list[list[int]]:
@@ -361,7 +338,7 @@ class DistributedCollective(Collective):
         if not self._is_member or self._world_size == 1:
             return []
         self.check_same_on_all_ranks(tensors, context=context, what=what)
-        return gather_value_digests(tensors, *exchange(self.process_group))
+        return gather_value_digests(tensors, self.process_group)
 
     @property
     def rank(self) -> int:

@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from puredist._consistency import REFUSED, value_digest
+from puredist._consistency import REFUSED, check_replica_sums, check_same_values
 from puredist._inputs import checked, checked_for_reduction
 from puredist._validation import Rule, check
 from puredist.collectives.base import divides_first, group_size_rule
@@ -204,9 +204,8 @@ class ManagerCollective:
         Raises:
             Healed, HealFailed, CollectiveError: as :meth:`mean_`.
         """
-        given = checked(tensors)
-        digest = " ".join(str(value_digest(t)) for t in given.reduced)
-        self._reduce(given, [], what, f"{given.layout.summary(given)} {context} values {digest}", write_back=False)
+        check_same_values(checked(tensors), context,
+                          compare=lambda given, agreed: self._reduce(given, [], what, agreed, write_back=False))
 
     def all_gather_rows(
         self, tensors: Sequence[torch.Tensor], *, context: str, refused: bool = False
@@ -238,7 +237,7 @@ class ManagerCollective:
         device = tensors[0].device
         agreed = f"{[(tuple(t.shape), t.dtype) for t in tensors]} {context.split(REFUSED)[0]}"
         with _heal_reported(role, what):
-            contributors = self._check(tensors, agreed, role, device, what, refused=refused)
+            contributors = self._contributors(tensors, agreed, role, device, what, refused=refused)
             group = ManagedProcessGroup(self.manager)
             flag = torch.tensor([1.0 if role == _MEMBER else 0.0], device=device)
             gathered = []
@@ -262,7 +261,7 @@ class ManagerCollective:
         role = self._start_quorum(given, what)
         device = given.reduced[0].device if given.reduced else torch.device("cpu")  # (the check's, too)
         with _heal_reported(role, what):
-            contributors = self._check(given, agreed, role, device, what)
+            contributors = self._contributors(given, agreed, role, device, what)
             groups: dict[tuple, list[int]] = {}
             for i, t in enumerate(reduced):
                 groups.setdefault((t.device, t.dtype), []).append(i)
@@ -318,33 +317,27 @@ class ManagerCollective:
             raise nothing_changed(given, what, cause, stage="torchft's quorum") from cause
         if self.manager.current_step() == before:
             return _MEMBER
-        if self.restart_on_heal:  # healed: the manager took a peer's step and state
-            self._open_role = _REPLAYING
+        # healed: the manager took a peer's step and state; with restart_on_heal the replay joins this quorum
+        self._open_role = _REPLAYING if self.restart_on_heal else None
+        if self.restart_on_heal:
             raise Healed(f"{what}: the quorum healed this replica from a peer at step {self.manager.current_step()}")
         return _HEALED
 
-    def _check(self, given, agreed: str, role: str, device: torch.device, what: str, *, refused: bool = False) -> int:
-        """The rank check: how many replicas contribute, once all that are checked
-        (every role but :data:`_HEALED`, whose schedule is stale) agree on ``agreed``
-        and on their history: torchft's count of committed batches (a peer's, taken
-        with its step in a heal). torchft's vote is per replica group, so some
-        replicas may commit a step that others fail; where those redo it in a quorum
-        of their own, both reach the same step with different tensors, and only
-        this count tells them apart at their next common quorum. ``refused``: this
-        replica refuses the step; where any does, every replica raises ``ValueError``
-        (after the vote against it)."""
-        members, s1, q1, s2, q2, count, refusing = self._summed_rows(given, agreed, role, device, what, refused)
-        at = f"{what} at torchft step {self.manager.current_step()}"
-        error = None
-        if count < 1 or members * q1 != s1 * s1 or members * q2 != s2 * s2:
-            error = RankMismatchError.of_replicas(at, count)
-        elif refusing:
-            error = ValueError(f"{at}: {refusing} replica(s) refused the step; nothing was changed.")
-        if error is not None:  # every replica votes against the step, then raises
-            self.manager.report_error(error)
-            self._vote()
-            raise error
-        return count
+    def _contributors(self, given, agreed: str, role: str, device: torch.device, what: str, *,
+                      refused: bool = False) -> int:
+        """How many replicas contribute, once the rank check has passed: its rows
+        exchanged, :func:`~puredist._consistency.check_replica_sums` (the verdict)
+        refuses unless all that are checked (every role but :data:`_HEALED`, whose
+        schedule is stale) agree on ``agreed`` and on their history: torchft's count of
+        committed batches (a peer's, taken with its step in a heal). torchft's vote is
+        per replica group, so some replicas may commit a step that others fail; where
+        those redo it in a quorum of their own, both reach the same step with different
+        tensors, and only this count tells them apart at their next common quorum.
+        ``refused``: this replica refuses the step; where any does, every replica
+        raises ``ValueError`` (after the vote against it)."""
+        return check_replica_sums(self._summed_rows(given, agreed, role, device, what, refused),
+                                  f"{what} at torchft step {self.manager.current_step()}",
+                                  vote_against=self._vote_against)
 
     def _summed_rows(self, given, agreed: str, role: str, device: torch.device, what: str, refused: bool) -> list[int]:
         """The rank check's exchange: this replica's row ``[checked, h1, h1**2, h2,
@@ -373,6 +366,11 @@ class ManagerCollective:
                 work.wait()
         except Exception as cause:  # noqa: BLE001 - recorded for the vote, which then refuses
             self.manager.report_error(cause)
+
+    def _vote_against(self, error: Exception) -> None:
+        """Record ``error``, then vote (against the step: torchft refuses a step with an error recorded)."""
+        self.manager.report_error(error)
+        self._vote()
 
     def _vote(self) -> bool:
         try:

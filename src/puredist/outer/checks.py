@@ -14,13 +14,13 @@ This module must not change a tensor.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
+from puredist._consistency import check_copy_replicated
 from puredist._inputs import check_params_fit
 from puredist._transforms import is_transformed
 from puredist._validation import NON_NEGATIVE_INT, check_entries
@@ -71,20 +71,8 @@ def check_initial_copy(config: OuterConfig, state: OuterState, collective: Colle
     Raises:
         NotImplementedError: a transform maps the global copy, with another collective.
     """
-    copies, on_host = list(state.global_params), not isinstance(collective, VmapCollective)
-    if on_host and any(is_transformed(t) for t in copies):
-        raise NotImplementedError(
-            config.explain(
-                "At step 0 the global copy made by init is checked to be the same on every rank, on the host, "
-                "which a torch.func transform hides when it maps the copy: pass the state of init unmapped, "
-                "take step 0 outside the transform, or (under vmap) average with a VmapCollective."
-            )
-        )
-    with torch._C._DisableFuncTorch() if on_host else contextlib.nullcontext():  # (plain tensors, read as eagerly)
-        collective.check_replicated(
-            copies, what=config.explain("the initial parameters (the global copy made by init)"),
-            context=initial_check_context(config),
-        )
+    check_copy_replicated(state.global_params, collective, on_host=not isinstance(collective, VmapCollective),
+                          is_transformed=is_transformed, explain=config.explain, context=initial_check_context(config))
 
 
 def initial_check_context(config: OuterConfig) -> str:
