@@ -20,8 +20,7 @@ its caller (this module imports no collective, optimizer or transform): a refusa
 to the peers (:func:`refuse_on_all_ranks`), the same values on every rank
 (:func:`check_same_digests`, the initial copy of a DiLoCo step,
 :func:`check_copy_replicated`), torchft's replica verdict
-(:func:`check_replica_sums`, :func:`check_same_values`), the group sizes a member
-averages within (:func:`check_member_group_sizes`), and a loaded optimizer state
+(:func:`check_replica_sums`, :func:`check_same_values`), and a loaded optimizer state
 being each rank's own (:func:`check_loaded_own`).
 
 This module must not change a tensor: it reads metadata and values and exchanges
@@ -40,7 +39,6 @@ import torch.distributed as dist
 from puredist._dtensors import local_shard
 from puredist._host_groups import exchange
 from puredist._layout import Layout, digest, layout_of
-from puredist._validation import Rule, check_each
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 
 
@@ -261,16 +259,6 @@ def check_replica_sums(sums: Sequence[int], at: str, *, vote_against: Callable[[
         vote_against(error)
         raise error
     return count
-
-
-def check_member_group_sizes(member: bool, arg: str, group_sizes: Sequence[int], rule: Rule, **bounds: Any) -> None:
-    """Where this rank is a ``member`` of a collective's group (a rank outside it
-    averages nothing), raise as ``rule`` does (a group-size rule of
-    :mod:`puredist.collectives.base`, with ``bounds``) for the first of
-    ``group_sizes`` (from the argument named ``arg``) that the collective cannot
-    average within."""
-    if member:
-        check_each(arg, group_sizes, rule, **bounds)
 
 
 def check_loaded_own(loaded: tuple[bool, str, int], params: Sequence[torch.Tensor], group: dist.ProcessGroup, *,

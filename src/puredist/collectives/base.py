@@ -21,8 +21,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from puredist._consistency import check_member_group_sizes, check_same_digests
-from puredist._validation import Rule, check, is_integral
+from puredist._consistency import check_same_digests
+from puredist._validation import Rule, check, check_each, is_integral
 from puredist.staging import CollectiveHandle
 
 __all__ = [
@@ -124,8 +124,9 @@ SUPPORTED_GROUP_SIZE = group_size_rule(  # (a collective with subgroups: Distrib
 
 def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: str) -> None:
     """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
-    within one of ``group_sizes`` (from the argument named ``arg``)."""
-    check_member_group_sizes(collective.is_member, arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
+    within one of ``group_sizes`` (from the argument named ``arg``); a rank outside the
+    collective's group averages nothing, so has nothing to check."""
+    check_each(arg, group_sizes if collective.is_member else (), SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
 
 
 class refusing:  # (a context manager: named as contextlib.suppress is)
