@@ -210,6 +210,25 @@ def test_a_peer_gone_before_the_rank_check_is_a_collective_error_that_changed_no
     assert run_workers(_peer_gone_before_the_check, 3, victims=(2,), timeout=60)[:2] == [True, True]
 
 
+def _summary_fails(rank, world_size):
+    import puredist._consistency as consistency
+
+    def fails(*args):
+        raise RuntimeError("the summary could not be made")
+
+    consistency.digest = fails  # (this worker's own module: the fork's copy)
+    tensors = [values(rank, i) for i in range(2)]
+    with pytest.raises(CollectiveError, match="failed in the rank check") as error:
+        puredist.average_(tensors, collective=DistributedCollective())
+    assert isinstance(error.value.__cause__, RuntimeError) and error.value.completed_elements == (0, 0)
+    assert all(torch.equal(t, values(rank, i)) for i, t in enumerate(tensors))
+    return True
+
+
+def test_a_rank_check_whose_summary_cannot_be_made_is_a_collective_error_that_changed_nothing():
+    assert run_workers(_summary_fails, 2, timeout=60) == [True, True]
+
+
 def _staging_fails_on_one_rank_of_a_mismatch(rank, world_size, async_op):
     import puredist.staging.pool as staging_pool
 

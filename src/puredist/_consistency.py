@@ -120,15 +120,15 @@ def start_rank_check(
         what: the operation, for the message.
 
     Raises:
-        CollectiveError: the backend failed to send (nothing changed; the backend's
-            error its cause).
+        CollectiveError: the summary could not be made or sent (nothing changed;
+            the error its cause).
     """
-    context = str(context)
-    summary = (layout if layout is not None else layout_of(tensors)).summary(tensors)
-    over, device = exchange(group)
-    local = torch.tensor([*summary, digest(context)], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(over))]
-    try:
+    try:  # (a failure anywhere before the summaries are sent, formatting ``context`` too, changed nothing)
+        context = str(context)
+        summary = (layout if layout is not None else layout_of(tensors)).summary(tensors)
+        over, device = exchange(group)
+        local = torch.tensor([*summary, digest(context)], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(over))]
         work = dist.all_gather(gathered, local, group=over, async_op=True)
     except Exception as cause:  # noqa: BLE001 - the backend's error, with what it left
         raise _unchanged(tensors, what, cause) from cause
