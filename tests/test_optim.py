@@ -381,6 +381,29 @@ def test_a_parameter_skipped_by_a_scheduled_sgd_keeps_its_own_count():
     assert [s.step.item() for s in state] == [2.0, 1.0]
 
 
+def test_a_schedule_is_checked_count_by_count_in_order_before_it_is_read_at_the_next():
+    """At counts 1 and 2 (a parameter skipped once), a schedule out of range at 1 is
+    refused before it is read at 2, where it would raise its own error: the values of
+    each count are checked as they are made, lowest count first."""
+    calls, bad = [], []
+
+    def lr(count):
+        calls.append(count)
+        return (-1.0 if count == 1 else 1 / 0) if bad else 0.1
+
+    optimizer = puredist.sgd(lr=lr)
+    params = [torch.ones(2), torch.ones(2)]
+    state = optimizer.update_(params, [torch.ones(2), torch.ones(2)], optimizer.init(params))  # counts 1, 1
+    state = optimizer.update_(params, [torch.ones(2), None], state)  # counts 2, 1
+    before = [p.clone() for p in params]
+    bad.append(True)
+    for refused in (lambda: optimizer.check(state), lambda: optimizer.update_(params, [torch.ones(2)] * 2, state)):
+        with pytest.raises(ValueError, match="``lr`` must be a non-negative number, got -1.0"):
+            refused()
+        assert calls[-1] == 1  # (the schedule was not read at count 2)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_a_schedule_under_a_transform_says_why_it_cannot_run():
     optimizer = puredist.adam(lr=lambda count: 0.01)
     params = torch.randn(2, 3)

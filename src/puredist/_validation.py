@@ -179,18 +179,19 @@ def check_hypers(values: Mapping[str, Any], *, scheduled: Sequence[str], validat
             validate(name, value)
 
 
-def check_schedules(scheduled: Sequence[str], values_at: Callable[[], Mapping[int, Mapping[str, Any]]],
-                    validate: Callable[[str, Any], None]) -> None:
-    """``validate(name, value)`` (raising what it raises) for the value of each
-    hyper-parameter of ``scheduled`` (a schedule of the step count) at each count:
-    ``values_at() -> {count: {name: value}}``, called only where ``scheduled`` is not
-    empty (reading the counts may wait for the device, or raise where a state keeps
-    none)."""
-    if not scheduled:
-        return
-    for values in values_at().values():
-        for name in scheduled:
-            validate(name, values[name])
+def check_schedules(hypers: Mapping[str, Any], counts: Iterable[int],
+                    validate: Callable[[str, Any], None]) -> dict[int, dict[str, Any]]:
+    """``{count: {name: value}}`` for each distinct count of ``counts`` (in order):
+    each hyper-parameter's value at that count (a schedule's, a callable of the count,
+    evaluated there), each schedule's value passed to ``validate(name, value)`` (raising
+    what it raises) before the next count's values are made."""
+    groups = {}
+    for count in sorted(set(counts)):
+        groups[count] = values = {name: value(count) if callable(value) else value for name, value in hypers.items()}
+        for name, value in hypers.items():
+            if callable(value):
+                validate(name, values[name])
+    return groups
 
 
 def check_options(options: object, table: Sequence[tuple[str, Sequence[Rule], Callable[[Any], dict]]]) -> None:

@@ -72,26 +72,15 @@ def with_schedules(
     alone, stepping nothing."""
     scheduled = [name for name, value in hypers.items() if callable(value)]
 
-    def counts_of_states(states) -> list[int]:
+    def counts_of(states) -> list[int]:
         return read_counts(states, f"Arg ``{scheduled[0]}`` is a schedule of the step count")
-
-    def values_at(counts: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """``{count: {name: value}}``: each hyper-parameter's value at each of
-        ``counts`` (a schedule's at that count)."""
-        return {count: {name: value(count) if callable(value) else value for name, value in hypers.items()}
-                for count in sorted(set(counts))}
-
-    def values_by_count(states) -> tuple[list[int], dict[int, dict[str, Any]]]:
-        counts = counts_of_states(states)
-        groups = values_at(counts)
-        check_schedules(scheduled, lambda: groups, validate)
-        return counts, groups
 
     def step(params, grads, states, traced):
         check(params, traced)
         if not scheduled:
             return run(params, grads, states, traced, **hypers)
-        counts, groups = values_by_count(states)
+        counts = counts_of(states)
+        groups = check_schedules(hypers, counts, validate)
         new = list(states)
         for count, values in groups.items():
             group = [k for k, c in enumerate(counts) if c == count]
@@ -104,6 +93,6 @@ def with_schedules(
     def check_states(states: Sequence[NamedTuple]) -> None:
         """Raise ``ValueError`` where a step of parameters with these per-parameter
         states would (a schedule's value at their counts out of range); step nothing."""
-        check_schedules(scheduled, lambda: values_at(counts_of_states(states)), validate)
+        check_schedules(hypers, counts_of(states) if scheduled and states else (), validate)
 
     return step, check_states
