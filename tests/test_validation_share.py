@@ -61,6 +61,8 @@ def test_the_check_logic_measure_tells_guards_from_logic(tmp_path):
         "    check_positive(x)\n"
         "    if x > 9:\n"
         "        raise ValueError('big')\n"
+        "    if x > 5:\n"
+        "        check_small(x)\n"
         "    return x\n"
         "def check_logic(xs):\n"
         "    bad = [x for x in xs if x < 0]\n"
@@ -79,4 +81,4 @@ def test_the_check_logic_measure_tells_guards_from_logic(tmp_path):
         "            y = x\n"
         "            raise ValueError(y)\n"
     )
-    assert check_logic(module) == ["check_logic (line 7)", "raise (line 22)"]
+    assert check_logic(module) == ["check_logic (line 9)", "raise (line 24)"]

@@ -59,9 +59,11 @@ ranks' agreement. Every other module holds one-line guards only."""
 
 
 def _is_guard(statement: ast.stmt) -> bool:
-    """A docstring, a ``return``, an ``if ...: raise`` guard, or a call of a check."""
+    """A docstring, a ``return``, a call of a check, an ``if ...: raise`` guard, or an
+    ``if`` (no ``else``) around one guard (a check that applies in one case)."""
     if isinstance(statement, ast.If):
-        return len(statement.body) == 1 and isinstance(statement.body[0], ast.Raise) and not statement.orelse
+        body = statement.body
+        return len(body) == 1 and (isinstance(body[0], ast.Raise) or _is_guard(body[0])) and not statement.orelse
     if isinstance(statement, ast.Return):
         return True
     if isinstance(statement, ast.Expr):
@@ -108,7 +110,7 @@ def check_logic(path: pathlib.Path) -> list[str]:
     """Where the module at ``path`` checks by more than one-line guards: each function
     named as a check (``check``, ``validate``, ``refuse``, ``require``, ``ensure``)
     whose body holds anything but guards (its docstring, ``return``, ``if ...: raise``,
-    a call of another check), and each ``raise`` outside an ``if ...: raise`` guard,
+    a call of another check, an ``if`` around one of those), and each ``raise`` outside an ``if ...: raise`` guard,
     but in an ``except`` clause or ``raise ... from cause`` (an error translated or
     passed on: the failure path, not a check) or as a function's whole body (raising
     is its job: an abstract method, a rule that refuses, an error's builder)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numbers
 import operator
-import warnings
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -162,8 +162,7 @@ def check_each(arg: str, values: Sequence[Any], *rules: Rule, **bounds: Any) -> 
 
 def check_all(check_one: Callable[[Any], None] | None, values: Iterable[Any]) -> None:
     """``check_one(value)`` for each of ``values``, raising what it raises; ``None``:
-    nothing to check (``values`` is not consumed then: pass a generator where making
-    them costs)."""
+    nothing to check (``values`` is not iterated)."""
     if check_one is None:
         return
     for value in values:
@@ -263,26 +262,19 @@ def warn_if_max_period_is_one(periods: Sequence[int], *, stacklevel: int | None)
         warnings.warn(_MAX_PERIOD_ONE_WARNING, stacklevel=stacklevel + 1)
 
 
-def check_hierarchy_periods(periods: Sequence[int], *, arg: str, levels_optional: bool = False) -> None:
+def check_hierarchy_periods(periods: Sequence[int], *, arg: str) -> None:
     """Raise unless ``periods`` (from the argument named ``arg``) is a non-empty,
-    strictly increasing run of ints ``>= 1`` (or, ``levels_optional``, empty: no
-    level)."""
-    if levels_optional and not periods:
-        return
+    strictly increasing run of ints ``>= 1``."""
     check(arg, periods, NOT_EMPTY)
     check_each(arg, periods, INT)
     check(arg, list(periods), MIN_PERIOD, INCREASING)
 
 
-def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str,
-                                member: bool = True) -> None:
+def check_hierarchy_group_sizes(group_sizes: Sequence[int], world_size: int, *, arg: str, whole: str) -> None:
     """Raise unless every group size (from the argument named ``arg``) is a positive
     divisor of ``world_size`` and the last one (the top of the hierarchy) equals it
     (first, as torch checks it); ``whole`` names what has ``world_size`` ranks (e.g.
-    ``"arg process_group"``); ``member`` false: this rank is in none of its groups
-    (nothing to check)."""
-    if not member:
-        return
+    ``"arg process_group"``)."""
     check_each(arg, group_sizes, INT)
     check(arg, group_sizes[-1], TOP_IS_WHOLE, world_size=world_size, whole=whole)
     check_each(arg, group_sizes, DIVISOR, world_size=world_size)

@@ -289,10 +289,9 @@ def hierarchical_averager_warning_at(
     def check_collective(collective: Collective) -> None:
         """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
         within the hierarchy's group sizes."""
-        check_hierarchy_group_sizes(
-            group_sizes, collective.world_size, arg="period_group_sizes", whole="the collective",
-            member=collective.is_member,
-        )
+        if collective.is_member:  # (a rank outside the collective averages nothing)
+            check_hierarchy_group_sizes(group_sizes, collective.world_size, arg="period_group_sizes",
+                                        whole="the collective")
         check_group_sizes(collective, group_sizes, arg="period_group_sizes")
 
     return _scheduled_averager(

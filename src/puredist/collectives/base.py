@@ -126,7 +126,8 @@ def check_group_sizes(collective: object, group_sizes: Sequence[int], *, arg: st
     """Raise ``ValueError`` where ``collective`` (this rank a member) cannot average
     within one of ``group_sizes`` (from the argument named ``arg``); a rank outside the
     collective's group averages nothing, so has nothing to check."""
-    check_each(arg, group_sizes if collective.is_member else (), SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
+    if collective.is_member:
+        check_each(arg, group_sizes, SUPPORTED_GROUP_SIZE, sizes=collective.group_sizes)
 
 
 class refusing:  # (a context manager: named as contextlib.suppress is)

@@ -43,6 +43,7 @@ __all__ = ["VmapCollective", "replica_mean"]
 _ONE_ROW_EACH = "an all-to-all over {rows} replicas sends one row to each, [{rows}, *shape]."
 """Why :meth:`VmapCollective.all_to_all` refuses a tensor (its rows, one per replica)."""
 
+
 def _no_replica_axis(num_replicas: int, act: str, tensor: str = "a tensor") -> RuntimeError:
     """The error of a :class:`VmapCollective` that finds no replica axis to ``act`` over
     ``tensor``: outside ``torch.func.vmap``, or on a tensor its innermost ``vmap`` does

@@ -49,16 +49,14 @@ class CompressedAverager(NamedTuple):
     update: Callable[..., tuple[PyTree, CompressionState]]
 
 
-def _runs_simulated(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> bool:
-    """Whether ``collective`` runs the ranks simulated (rows stacked per replica), once
-    ``leaves`` (of ``layout``) are known to be floats a compressed averaging over it
-    takes (raises otherwise, naming ``params`` or ``collective``)."""
+def _check_compressible(leaves: list[torch.Tensor], collective: Collective, layout: Layout) -> None:
+    """Raise, naming ``params`` or ``collective``, unless a compressed averaging over
+    ``collective`` takes ``leaves`` (of ``layout``): floats, a collective that
+    compresses, rows stacked per replica where the ranks are simulated."""
     check_float_leaves(leaves, layout, arg="params", needs="compression needs floats")
     check("collective", collective, _COMPRESSING)
-    simulated = isinstance(collective, SimulatedCollective)
-    if simulated:
+    if isinstance(collective, SimulatedCollective):
         collective.check_stacked(leaves, arg="params")
-    return simulated
 
 
 def _gathers(collective: Collective) -> bool:
@@ -101,9 +99,10 @@ def compressed_mean(
     context = _PayloadsContext(context, compressor.name)  # (their sizes depend on it: ranks must agree)
     layout = layout_of(leaves)
     with refusing(collective, context=context):  # the peers learn a refusal in their rank check, instead of waiting
-        simulated = _runs_simulated(leaves, collective, layout)
+        _check_compressible(leaves, collective, layout)
         if not torch.compiler.is_compiling():  # (traced once per compilation: the same step run eagerly checks them)
             check_residuals(leaves, residuals, layout, arg="state")
+    simulated = isinstance(collective, SimulatedCollective)
     if not collective.is_member or not leaves:  # as mean_: a rank outside the group keeps its values
         return [leaf.detach().clone() for leaf in leaves], [local_shard(r).clone() for r in residuals]
     if not simulated and not _exchanges(collective) and layout.plain and layout.derived("one dtype", lambda: len({t.dtype for t in leaves}) == 1) \
@@ -167,7 +166,7 @@ def compressed_mean_flat_(
         rank check sees the one tensor: ranks must lay their leaves out alike.
     """
     context = _PayloadsContext(context, compressor.name)
-    _runs_simulated([flat], collective, layout_of([flat]))  # (for its checks)
+    _check_compressible([flat], collective, layout_of([flat]))
     if not collective.is_member:
         return
     rows = (flat.float() + residual).view(1, -1)

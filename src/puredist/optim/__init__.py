@@ -38,7 +38,7 @@ The modules, one concern each:
   state types declared there;
 - :mod:`~puredist.optim.schedules`: hyper-parameters that are schedules of the count;
 - ``_kernels`` (and ``_out_of_place``): which torch kernel runs,
-  its workarounds and probes; ``_checks``: the checks, before anything is stepped.
+  its workarounds and probes; ``_checks``: the optimizers' rules, checked before anything is stepped.
 
 This package must not communicate: an optimizer steps the tensors it is given, on
 this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.outer`'s).

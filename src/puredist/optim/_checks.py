@@ -1,6 +1,10 @@
-"""The optimizers' checks: hyper-parameters at construction, states, parameters and
-gradients before a step. Each raises before anything is stepped, naming the
-argument and its value.
+"""The optimizers' rules, as data beside the optimizers: their hyper-parameters'
+(:data:`HYPERS`, :func:`check_hyper`, :data:`ONE_KERNEL`), what a fused kernel
+refuses (:data:`_FUSED_REFUSALS`, read by :func:`puredist._inputs.check_kernel_takes`),
+and what those checks read of a state (:func:`counts_of`, :func:`shaped_field`). The
+loops that apply them live with their kind (:mod:`puredist._validation`,
+:mod:`puredist._inputs`); each raises before anything is stepped, naming the argument
+and its value.
 
 This module must not step anything.
 """

@@ -67,7 +67,8 @@ class OuterConfig:
 
     def __post_init__(self) -> None:
         check_options(self, _OPTIONS)  # then the lower levels' periods (a mapping by then)
-        check_hierarchy_periods(tuple(self.lower_levels), arg="lower_levels", levels_optional=True)
+        if self.lower_levels:  # (``{}``: no lower level)
+            check_hierarchy_periods(tuple(self.lower_levels), arg="lower_levels")
         lower = dict(self.lower_levels)
         derived = {
             "lower_levels": lower,
