@@ -39,6 +39,7 @@ import torch.distributed as dist
 from puredist._dtensors import local_shard
 from puredist._host_groups import exchange
 from puredist._layout import Layout, digest, layout_of
+from puredist._transforms import is_transformed
 from puredist.errors import CollectiveError, RankMismatchError, nothing_changed
 
 
@@ -197,8 +198,7 @@ def check_same_digests(rows: Sequence[Sequence[int]], count: int, what: str, *, 
 
 
 def check_copy_replicated(copies: Sequence[torch.Tensor], collective: Any, *, on_host: bool,
-                          is_transformed: Callable[[torch.Tensor], bool], explain: Callable[[str], str],
-                          context: str) -> None:
+                          explain: Callable[[str], str], context: str) -> None:
     """At a DiLoCo transform's step 0: raise :class:`RankMismatchError` on every rank
     unless the global copy made by ``init`` (``copies``) is the same on every rank,
     by ``collective.check_replicated`` with ``context``.
@@ -208,7 +208,6 @@ def check_copy_replicated(copies: Sequence[torch.Tensor], collective: Any, *, on
             :class:`~puredist.VmapCollective`, which checks the replicas' copies
             itself): they are read as plain tensors, also under a ``torch.func``
             transform or ``torch.compile``, which only an unmapped copy allows.
-        is_transformed: whether a ``torch.func`` transform maps a tensor.
         explain: the transform's configuration around a message (``OuterConfig.explain``).
 
     Raises:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from puredist._consistency import check_copy_replicated
 from puredist._inputs import check_params_fit
-from puredist._transforms import is_transformed
 from puredist._validation import NON_NEGATIVE_INT, check_entries
 from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
@@ -72,7 +71,7 @@ def check_initial_copy(config: OuterConfig, state: OuterState, collective: Colle
         NotImplementedError: a transform maps the global copy, with another collective.
     """
     check_copy_replicated(state.global_params, collective, on_host=not isinstance(collective, VmapCollective),
-                          is_transformed=is_transformed, explain=config.explain, context=initial_check_context(config))
+                          explain=config.explain, context=initial_check_context(config))
 
 
 def initial_check_context(config: OuterConfig) -> str:
