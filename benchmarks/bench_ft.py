@@ -31,7 +31,7 @@ def _time_syncs(make_update, shapes, calls: int, warmup: int) -> float:
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(shape, generator=gen) for shape in shapes]
     transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=1,
-                                         warmup_steps=1)
+                                         warmup_steps=2)
     state = transform.init(params)
     update = make_update(transform, params)
     seconds = []

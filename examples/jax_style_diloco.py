@@ -67,7 +67,8 @@ def main() -> None:
     compiled = (stacked, state)
     for k, x in enumerate(batches):
         *compiled, loss = train(*compiled, x, x @ true_w)
-        if k % args.sync_every == 0:  # fragment 0 (the first layer's weight) synchronized: replicas agree
+        # fragment 0 (the first layer's weight) synchronizes after inner steps H/2, H/2 + H, ...: replicas agree
+        if (k + 1) % args.sync_every == args.sync_every // 2:
             w = compiled[0]["0.weight"]
             print(f"step {k:3d}  mean loss {loss.mean().item():.4f}  first layer equal on every replica: "
                   f"{torch.equal(w, w[:1].expand_as(w))}  ({time.perf_counter() - started:.1f} s)")

@@ -35,7 +35,7 @@ def make_params() -> dict[str, torch.Tensor]:
 
 def make_transform(compressed: bool = False):
     return puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9, nesterov=True), sync_every=SYNC_EVERY,
-                                    warmup_steps=1, compressor=puredist.int8_blocks(8) if compressed else None)
+                                    warmup_steps=2, compressor=puredist.int8_blocks(8) if compressed else None)
 
 
 def local_step(params, replica: int, step: int) -> None:

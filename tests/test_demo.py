@@ -74,8 +74,14 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     assert runs["periodic"]["bytes_per_worker"] < 0.3 * runs["ddp"]["bytes_per_worker"]
     # ZeRO adds the owners' broadcasts to DDP's all-reduce
     assert runs["zero"]["bytes_per_worker"] > runs["ddp"]["bytes_per_worker"]
-    # DiLoCo syncs as often as periodic averaging, with bf16 pseudo-gradients: about half
-    assert 0.4 < runs["diloco"]["bytes_per_worker"] / runs["periodic"]["bytes_per_worker"] < 0.7
+    # DiLoCo synchronizes after inner steps 16, 24, 32 and 40, periodic averaging (torch's count, from 0) after 17,
+    # 25 and 33: each with bf16 pseudo-gradients, about half of an fp32 averaging
+    def syncs(name):
+        sent = runs[name]["step_bytes"]
+        return [step for step, b in enumerate(sent) if b > 0.5 * max(sent)]
+
+    assert syncs("diloco") == [15, 23, 31, 39] and syncs("periodic") == [16, 24, 32]
+    assert 0.4 < (runs["diloco"]["bytes_per_worker"] / 4) / (runs["periodic"]["bytes_per_worker"] / 3) < 0.7
     # streaming DiLoCo sends each fragment as often as DiLoCo sends the whole model: the
     # same bytes in twice the messages, within the fixed overhead of each
     assert 0.7 < runs["streaming"]["bytes_per_worker"] / runs["diloco"]["bytes_per_worker"] < 1.5
@@ -197,13 +203,15 @@ def test_the_study_options_reach_the_workers_and_the_record(tmp_path):
     assert (config["period"], config["warmup_steps"], config["block_size"]) == (5, 3, 32)
     assert config["optimizer_options"] == {"lr": 0.02, "momentum": 0.9}
     assert config["outer_options"] == {"lr": 0.5, "momentum": 0.25, "nesterov": True}
-    # torch's periodic rule at each averager's count (step - 1): count >= warmup and (count - warmup) % H == 0;
-    # a synchronization sends kilobytes (the 4810-parameter model: 20 KB in fp32, 4 KB in 4-bit), the compressed
-    # path's first call only its layout digest (a few hundred bytes)
-    expected = [k for k in range(1, 21) if k - 1 >= 3 and (k - 1 - 3) % 5 == 0]
+    # after inner step k (1-based): torch's periodic rule at the averager's count k - 1 (k - 1 >= warmup and
+    # (k - 1 - warmup) % H == 0), DiLoCo's at the count of completed inner steps (k >= warmup and (k - warmup) % H
+    # == 0); a synchronization sends kilobytes (the 4810-parameter model: 20 KB in fp32, 4 KB in 4-bit), the
+    # compressed path's first call only its layout digest (a few hundred bytes)
+    expected = {"periodic": [k for k in range(1, 21) if k - 1 >= 3 and (k - 1 - 3) % 5 == 0],
+                "diloco_int4": [k for k in range(1, 21) if k >= 3 and (k - 3) % 5 == 0]}
     for algorithm in ("periodic", "diloco_int4"):
         synchronized = [k for k, sent in enumerate(runs[algorithm]["step_bytes"], start=1) if sent > 1024]
-        assert synchronized == expected, (algorithm, runs[algorithm]["step_bytes"])
+        assert synchronized == expected[algorithm], (algorithm, runs[algorithm]["step_bytes"])
 
 
 def test_an_unwritable_output_folder_is_refused_before_any_worker_starts(tmp_path, capsys):
@@ -340,9 +348,9 @@ def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends
                           "diloco_ft,diloco,torchft_diloco", "--kill-worker", "30", timeout=300)
     # in the order given, though the fault-tolerant runs run last: the first is the report's reference
     assert list(runs) == ["diloco_ft", "diloco", "torchft_diloco"] and "(diloco_ft's final)" in done.stdout
-    # the digits' period is 8: diloco_ft's synchronizations after its 16 warm-up steps (each a commit) end steps
-    # 17, 25, 33...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
-    for algorithm, last_commit in (("diloco_ft", 25), ("torchft_diloco", 24)):
+    # the digits' period is 8: diloco_ft's synchronizations (each a commit) end its 16 warm-up steps, then steps 24,
+    # 32...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
+    for algorithm, last_commit in (("diloco_ft", 24), ("torchft_diloco", 24)):
         faults = runs[algorithm]["faults"]
         assert faults["killed"] == {"worker": 2, "step": 30, "last_commit_step": last_commit}, algorithm
         assert faults["rejoined"]["worker"] == 2 and 30 <= faults["rejoined"]["step"] < 60, algorithm

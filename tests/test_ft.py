@@ -312,9 +312,10 @@ def test_a_replica_refusing_a_compressed_averaging_for_a_nan_makes_its_peer_refu
 
 
 def test_fault_tolerant_outer_refuses_what_a_peer_cannot_hand_over():
-    for options in ({"delay": 1, "warmup_steps": 1}, {"lower_levels": {2: 1}, "warmup_steps": 1}, {}):
-        transform = puredist.outer_optimizer(puredist.sgd(0.5), sync_every=4, **options)
-        with pytest.raises(ValueError, match=r"delay=0, no lower_levels\), after at least one step of warm-up"):
+    # the third and fourth would synchronize after the first inner step, as the first update_ checks the initial copy
+    for options in ({"delay": 1}, {"lower_levels": {2: 1}}, {"warmup_steps": 1}, {"sync_every": 1}):
+        transform = puredist.outer_optimizer(puredist.sgd(0.5), **{"sync_every": 4, **options})
+        with pytest.raises(ValueError, match=r"delay=0, no lower_levels\), none after the first inner step"):
             FaultTolerantOuter(transform, manager=None)
 
 
@@ -507,7 +508,7 @@ def test_a_heal_is_kept_when_the_synchronization_run_again_after_it_raises():
     # that state goes on from the healed one (before, it ran from step 0 against the peers' step and failed forever)
     from puredist.ft import FaultTolerantOuter
 
-    transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=2, warmup_steps=1)
+    transform = puredist.outer_optimizer(puredist.sgd(0.7, momentum=0.9), sync_every=2, warmup_steps=2)
     params = [torch.ones(3)]
     before = transform.init(params)
     peer = {**transform.state_dict(before, rank=0), "step": 3, "global.0": torch.full((3,), 5.0)}
@@ -600,7 +601,7 @@ def test_a_healed_compressed_replica_starts_with_zero_residuals():
     # oracle is the local parameters themselves (with the peer's residual of 3 kept, 3 less)
     from puredist.ft import FaultTolerantOuter
 
-    transform = puredist.outer_optimizer(puredist.sgd(1.0), sync_every=2, warmup_steps=1, compressor=puredist.top_k(1.0))
+    transform = puredist.outer_optimizer(puredist.sgd(1.0), sync_every=2, warmup_steps=2, compressor=puredist.top_k(1.0))
     params = [torch.ones(3)]
     before = transform.init(params)
     peer = {**transform.state_dict(before, rank=0), "step": 3, "global.0": torch.full((3,), 5.0),

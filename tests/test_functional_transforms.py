@@ -449,12 +449,14 @@ def _gradient_at_the_first_outer_step(rank, world_size):
     weights = torch.full((3,), float(rank + 1), dtype=torch.float64)
     collective, state = puredist.DistributedCollective(), transform.init([params])
     loss = lambda p: (transform.update([p], state, collective=collective)[0][0] * weights).sum()  # noqa: E731
-    return grad(loss)(params + rank)  # step 0 (its check reads the copy on the host): the first sync averages
+    # after inner step 1 (its check reads the copy on the host) the first outer step: g - 0.7 * 1.9 * (g - mean(l))
+    return grad(loss)(params + rank)
 
 
 def test_the_first_outer_step_differentiates_on_real_ranks():
     gradients = run_workers(_gradient_at_the_first_outer_step, 2)
-    closed_form = torch.full((3,), (1.0 + 2.0) / 2, dtype=torch.float64)  # the adjoint of a mean: the ranks' mean of w
+    # Nesterov's first step is lr * (1 + momentum) times the mean; the adjoint of a mean: the ranks' mean of w
+    closed_form = torch.full((3,), 0.7 * 1.9 * (1.0 + 2.0) / 2, dtype=torch.float64)
     for gradient in gradients:
         torch.testing.assert_close(gradient, closed_form)
 

@@ -33,10 +33,12 @@ def _batches(steps, dtype):
 
 
 def _oracle(model, batches, lr, sync_every, fragments):
-    """Per-replica torch.optim.AdamW, then DiLoCo by hand: fragment f (leaves
-    ``fragments[f]``) synchronizes at the steps k with ``k - f * H // F`` a
-    non-negative multiple of H; the first averages the replicas, the later ones step
-    an outer Nesterov SGD on the mean of ``global - local``."""
+    """Per-replica torch.optim.AdamW, then DiLoCo by hand (Algorithm 1, Streaming
+    DiLoCo's fragments in torchft's order): after inner step ``c``, fragment f (leaves
+    ``fragments[f]``) synchronizes when ``c - (f + 1) * H // F mod H`` is a
+    non-negative multiple of H: an outer Nesterov SGD step on the mean of ``global -
+    local`` (the global copy starts as the initial parameters), written into every
+    replica."""
     initial = [p.detach() for p in model.parameters()]
     local = [[p.clone().requires_grad_() for p in initial] for _ in range(R)]
     inner = [torch.optim.AdamW(ps, lr=lr) for ps in local]
@@ -49,24 +51,15 @@ def _oracle(model, batches, lr, sync_every, fragments):
             out = functional_call(model, dict(zip(names, local[r])), (x[r],))
             torch.nn.functional.mse_loss(out, y[r]).backward()
             inner[r].step()
+        count = k + 1
         for f, leaves in enumerate(fragments):
-            since = k - f * sync_every // len(fragments)
+            since = count - (f + 1) * sync_every // len(fragments) % sync_every
             if since < 0 or since % sync_every:
                 continue
             with torch.no_grad():
                 for i in leaves:
-                    if since == 0:  # the first synchronization: the replicas' mean
-                        global_[i].copy_(sum(local[r][i] for r in range(R)) / R)
-                    else:
-                        global_[i].grad = sum(global_[i] - local[r][i] for r in range(R)) / R
-                if since:
-                    saved = [global_[i] for i in range(len(global_)) if i not in leaves]
-                    grads = [g.grad for g in saved]
-                    for g in saved:
-                        g.grad = None  # this fragment's leaves only
-                    outer.step()
-                    for g, gr in zip(saved, grads):
-                        g.grad = gr
+                    global_[i].grad = sum(global_[i] - local[r][i] for r in range(R)) / R
+                outer.step()  # (the other fragments' leaves have no gradient: not stepped)
                 for i in leaves:
                     global_[i].grad = None
                     for r in range(R):

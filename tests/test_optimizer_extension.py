@@ -138,7 +138,7 @@ def drift(rank: int, step: int, shape) -> torch.Tensor:
 
 
 def _diloco(rank, world_size, claimed_elementwise):
-    from puredist.outer.flat import flat_base
+    from puredist.outer.storage.flat_layout import flat_base
 
     optimizer = lars(LarsClaimedElementwise) if claimed_elementwise else lars()
     transform = puredist.outer_optimizer(optimizer, sync_every=SYNC_EVERY)
@@ -162,9 +162,10 @@ def _diloco(rank, world_size, claimed_elementwise):
 
 
 def diloco_oracle(world_size: int, elementwise_lr: float | None = None):
-    """DiLoCo by hand on every rank at once: every ``SYNC_EVERY`` steps the mean of
-    the ranks' parameters; the first synchronization takes it, the later ones step
-    the global copy per tensor with the pseudo-gradient ``global - mean``."""
+    """DiLoCo (Algorithm 1) by hand on every rank at once: after every ``SYNC_EVERY``
+    inner steps, the global copy (the initial parameters at first) takes one step per
+    tensor with the pseudo-gradient ``global - mean`` of the ranks' parameters, and
+    every rank takes the global copy."""
     start = tensors(3)
     globals_, moments = [p.clone() for p in start], [torch.zeros_like(p) for p in start]
     local = [[p.clone() for p in start] for _ in range(world_size)]
@@ -172,16 +173,12 @@ def diloco_oracle(world_size: int, elementwise_lr: float | None = None):
     for step in range(STEPS):
         for rank in range(world_size):
             local[rank] = [p + drift(rank, step, p.shape) for p in local[rank]]
-        if step % SYNC_EVERY:
+        if (step + 1) % SYNC_EVERY:
             continue
         means = [sum(local[r][k] for r in range(world_size)) / world_size for k in range(len(start))]
-        if step == 0:
-            globals_ = means
-        else:
-            for k, mean in enumerate(means):
-                globals_[k], moments[k] = oracle_step(globals_[k], globals_[k] - mean, moments[k], syncs,
-                                                      elementwise_lr)
-            syncs += 1
+        for k, mean in enumerate(means):
+            globals_[k], moments[k] = oracle_step(globals_[k], globals_[k] - mean, moments[k], syncs, elementwise_lr)
+        syncs += 1
         local = [[g.clone() for g in globals_] for _ in range(world_size)]
     return local
 
@@ -204,3 +201,41 @@ def test_the_declaration_is_what_decides_a_state_declared_elementwise_is_laid_fl
     params, _, laid_flat = results[0]
     assert laid_flat
     assert any(not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3) for ours, theirs in zip(params, expected[0]))
+
+
+@param_state(elementwise=False)
+class NormalizedState(NamedTuple):
+    """Normalized SGD keeps no state: each step is ``lr * grad / |grad|``, per tensor."""
+
+
+def normalized_sgd(lr: float = 0.5) -> puredist.Optimizer:
+    def run(params, grads, states, traced, lr):
+        for param, grad in zip(params, grads):
+            param.sub_(grad * (lr / grad.norm().clamp_min(1e-30)))
+        return list(states)
+
+    return make_optimizer(NormalizedState, lambda param: NormalizedState(), run, hypers={"lr": lr}, kind="nsgd")
+
+
+def test_on_simulated_ranks_diloco_steps_each_replicas_global_copy_per_tensor():
+    # the stacked [R, ...] global copy is stepped replica by replica: a norm over the stack would be taken across
+    # the replicas (each step sqrt(R) too small), where every real rank takes its own tensor's. Oracle: the
+    # algorithm by hand, per tensor
+    replicas, lr = 3, 0.5
+    transform = puredist.outer_optimizer(normalized_sgd(lr), sync_every=SYNC_EVERY)
+    start = tensors(3)
+    params = [torch.stack([p] * replicas) for p in start]
+    state = transform.init(params)
+    globals_, local = [p.clone() for p in start], [[p.clone() for p in start] for _ in range(replicas)]
+    for step in range(STEPS):
+        for p in params:
+            p.add_(torch.stack([drift(rank, step, p.shape[1:]) for rank in range(replicas)]))
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(replicas))
+        local = [[p + drift(rank, step, p.shape) for p in local[rank]] for rank in range(replicas)]
+        if (step + 1) % SYNC_EVERY == 0:
+            for k, g in enumerate(globals_):
+                pseudo = g - sum(local[r][k] for r in range(replicas)) / replicas
+                globals_[k] = g - lr * pseudo / pseudo.norm()
+            local = [[g.clone() for g in globals_] for _ in range(replicas)]
+        for k, p in enumerate(params):
+            torch.testing.assert_close(p, torch.stack([local[r][k] for r in range(replicas)]), rtol=1e-5, atol=1e-5)

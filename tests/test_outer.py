@@ -36,30 +36,41 @@ def sgd_step(param, grad, buf, lr, momentum, nesterov):
     return param - lr * grad, buf
 
 
+def offsets_by_definition(sync_every, fragments):
+    """Inner steps into each period at which fragment f synchronizes: (f + 1) / F of
+    the period, rounded down, the last fragment at the period's end (torchft's order)."""
+    return [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
+
+
 def brute_force(initial, drifts, *, lr, momentum, nesterov, sync_every, warmup, delay, fragments, lower):
-    """Replicas on the leading axis; everything recomputed from the definition."""
+    """Replicas on the leading axis; everything recomputed from the definition. The
+    drift ``k`` is inner step ``c = k + 1``; after it, fragment f synchronizes when
+    ``c - warmup - offset(f)`` is a non-negative multiple of H (c >= 1); with a
+    warm-up, its first synchronization only establishes the global copy."""
     leaves = [t.clone() for t in initial]
     glob = [t[0].clone() for t in initial]  # the ranks start equal
     bufs = [None] * len(leaves)
     parts = fragments_by_definition([t[0].numel() for t in initial], fragments)
-    offsets = [f * sync_every // fragments for f in range(fragments)]
-    pending = {}  # apply step -> (fragment, first sync?, mean pseudo-gradient, snapshot)
+    offsets = offsets_by_definition(sync_every, fragments)
+    pending = {}  # inner step applied after -> (fragment, establishes?, mean pseudo-gradient, snapshot)
     for k, drift in enumerate(drifts):
+        c = k + 1
         leaves = [l + d for l, d in zip(leaves, drift)]
-        due = [f for f in range(fragments) if k - warmup - offsets[f] >= 0 and (k - warmup - offsets[f]) % sync_every == 0]
+        due = [f for f in range(fragments) if c - warmup - offsets[f] >= 0 and (c - warmup - offsets[f]) % sync_every == 0]
         for f in due:
-            first = k == warmup + offsets[f]
-            pending[k + delay] = (f, first, [(glob[i] - leaves[i]).mean(0) for i in parts[f]], [leaves[i].clone() for i in parts[f]])
-        if k in pending:
-            f, first, pseudo, snapshot = pending.pop(k)
+            establishes = warmup > 0 and c == warmup + offsets[f]
+            pending[c + delay] = (f, establishes, [(glob[i] - leaves[i]).mean(0) for i in parts[f]],
+                                  [leaves[i].clone() for i in parts[f]])
+        if c in pending:
+            f, establishes, pseudo, snapshot = pending.pop(c)
             for j, i in enumerate(parts[f]):
-                if first:  # establishes the synchronized point: plain averaging
+                if establishes:  # the warm-up's end: plain averaging
                     glob[i] = glob[i] - pseudo[j]
                 else:
                     glob[i], bufs[i] = sgd_step(glob[i], pseudo[j], bufs[i], lr, momentum, nesterov)
                 leaves[i] = glob[i].expand_as(leaves[i]) + (leaves[i] - snapshot[j]) if delay else glob[i].expand_as(leaves[i]).clone()
         busy = set(due) | {f for f, *_ in pending.values()}
-        levels = [p for p in (lower or {}) if k >= warmup and k % p == 0]
+        levels = [p for p in (lower or {}) if c >= warmup and c % p == 0]
         if levels:
             g = lower[max(levels)]
             for f, part in enumerate(parts):
@@ -146,13 +157,15 @@ def test_a_delayed_synchronization_off_the_default_placement_matches_the_brute_f
 
 @given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 2**16))
 def test_outer_sgd_with_lr_one_is_exactly_periodic_averaging(sync_every, warmup, seed):
+    # torch's periodic averager counts its calls from 0 (it averages after inner step warmup + 1); DiLoCo counts
+    # completed inner steps (after inner step warmup, or H without a warm-up): the same averagings, one warm-up apart
     gen = torch.Generator().manual_seed(seed)
     start = (torch.randint(-64, 64, (1, 6), generator=gen).double() / 8).repeat(4, 1)  # dyadic: exact arithmetic
     outer_params, averaged = [start.clone()], [start.clone()]
     transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=sync_every, warmup_steps=warmup)
     with warnings.catch_warnings():  # period 1: torch's averager warns (DDP alone is cheaper); compared all the same
         warnings.simplefilter("ignore", UserWarning)
-        averager = puredist.periodic_averager(sync_every, warmup)
+        averager = puredist.periodic_averager(sync_every, warmup - 1 if warmup else sync_every - 1)
     outer_state, average_state = transform.init(outer_params), averager.init(averaged)
     collective = puredist.SimulatedCollective(4)
     for _ in range(12):
@@ -176,7 +189,7 @@ def test_delay_zero_is_the_synchronous_update_and_pure_update_leaves_inputs_alon
         kept = params[0].clone()
         new_params, new_state = transform.update(params, state, collective=collective)
         assert torch.equal(params[0], kept) and new_state.step == state.step + 1
-        if state.step % 2 == 0:  # synchronized: every rank holds the new global parameters
+        if new_state.step % 2 == 0:  # synchronized after an even inner step: every rank holds the global parameters
             assert torch.equal(new_params[0], new_state.global_params[0].expand_as(new_params[0]))
         params, state = new_params, new_state
 
@@ -221,30 +234,49 @@ def test_fragments_are_contiguous_nonempty_and_cover_every_leaf(sizes, count):
 
 
 @given(st.integers(1, 8), st.integers(0, 5), st.data())
-def test_the_schedule_alone_starts_each_fragment_every_sync_every_steps_staggered_by_its_share(sync_every, warmup, data):
-    """``puredist.outer.schedule`` without tensors, against the documented schedule
-    enumerated forwards, step by step: fragment f starts at warmup + floor(f * H / F),
-    then every H steps; ``sync_number`` counts its synchronizations from 0 there, its
-    first being the one at its start; the lower level averages the fragments neither
-    starting nor in flight."""
+def test_the_timeline_alone_syncs_each_fragment_every_sync_every_inner_steps_staggered_by_its_share(sync_every, warmup, data):
+    """``puredist.outer.timeline`` without tensors, against the documented timeline
+    enumerated forwards, inner step by inner step: fragment f first synchronizes after
+    inner step warmup + floor((f + 1) * H / F) mod H (H where that is 0: no
+    synchronization before the first inner step), then every H inner steps; with a
+    warm-up the first only establishes the global copy, every other one takes an
+    outer step; the lower level averages the fragments neither starting nor in flight."""
     from puredist.outer.config import OuterConfig
-    from puredist.outer.schedule import due_fragments, is_first_sync, lower_level_fragments, sync_number
+    from puredist.outer.timeline import SyncKind, due_fragments, lower_level_fragments, sync_kind
 
     fragments = data.draw(st.integers(1, sync_every))
     config = OuterConfig(puredist.sgd(0.7), sync_every, warmup, 0, fragments, lower_levels={1: 1})
-    steps = 3 * sync_every + warmup + 2
-    next_start = [warmup + math.floor(Fraction(f * sync_every, fragments)) for f in range(fragments)]
-    done = [0] * fragments  # synchronizations started so far, per fragment
-    for step in range(steps):
+    counts = 3 * sync_every + warmup + 2
+    next_sync = [warmup + math.floor(Fraction(f + 1, fragments) * sync_every) % sync_every for f in range(fragments)]
+    next_sync = [c if c > 0 else sync_every for c in next_sync]
+    done = [0] * fragments  # synchronizations so far, per fragment
+    for count in range(1, counts):
         expected = {}
         for f in range(fragments):
-            if step == next_start[f]:
-                expected[f], done[f], next_start[f] = done[f], done[f] + 1, step + sync_every
-        assert {f: sync_number(config, f, step) for f in range(fragments)} == {f: expected.get(f) for f in range(fragments)}
-        assert due_fragments(config, step) == sorted(expected)
-        assert [is_first_sync(config, f, step) for f in range(fragments)] == [expected.get(f) == 0 for f in range(fragments)]
+            if count == next_sync[f]:
+                expected[f] = SyncKind.ESTABLISH if warmup and not done[f] else SyncKind.OUTER_STEP
+                done[f], next_sync[f] = done[f] + 1, count + sync_every
+        assert {f: sync_kind(config, f, count) for f in range(fragments)} == {f: expected.get(f) for f in range(fragments)}
+        assert due_fragments(config, count) == sorted(expected) and len(expected) <= 1
     level, idle = lower_level_fragments(config, warmup + 1, busy={0})
     assert level == 0 and idle == list(range(1, fragments))
+
+
+def test_without_warm_up_the_first_synchronization_is_an_outer_step_after_inner_step_h():
+    # Algorithm 1 by hand, two replicas, H = 2: after inner step 2 the Nesterov step from the initial parameters
+    params = [torch.zeros(2, 3)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2)
+    state = transform.init(params)
+    drifts = [torch.tensor([[1.0], [3.0]]), torch.tensor([[1.0], [1.0]])]
+    for k, drift in enumerate(drifts):
+        params[0].add_(drift)
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(2))
+        if k == 0:  # after inner step 1: nothing synchronized
+            assert torch.equal(params[0], torch.tensor([[1.0] * 3, [3.0] * 3]))
+    delta = 0.0 - 3.0  # global - mean(local): the locals are 2 and 4
+    expected = 0.0 - 0.7 * (delta + 0.9 * delta)  # Nesterov's first step: the momentum is delta itself
+    torch.testing.assert_close(params[0], torch.full((2, 3), expected), rtol=0, atol=1e-6)
+    torch.testing.assert_close(state.outer_state[0].momentum_buffer, torch.full((2, 3), delta), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

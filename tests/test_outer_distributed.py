@@ -51,10 +51,10 @@ def _real_equals_simulated(rank, world_size, comm_dtype, exact, delay, global_dt
 
 
 # comm_dtype None: the global copy in the parameters' own dtype, so real ranks step each fragment as one flat
-# tensor (puredist.outer.flat), the simulation per leaf; two ranks sum in one order: bit for bit
+# tensor (puredist.outer.storage.flat), the simulation per leaf; two ranks sum in one order: bit for bit
 # (delay 0: a synchronization started and applied in one step, its flat fragment derived once).
 # A comm_dtype or a global_dtype at least as wide as the parameters: real ranks convert through one flat
-# buffer (puredist.outer.converted); a narrower global copy (fp64 parameters, fp32 copy) goes per leaf
+# buffer (puredist.outer.storage.converted); a narrower global copy (fp64 parameters, fp32 copy) goes per leaf
 @pytest.mark.parametrize("world_size, comm_dtype, exact, delay, global_dtype, dtype",
                          [(2, torch.bfloat16, True, 2, None, torch.float32),
                           (2, torch.bfloat16, True, 0, None, torch.float32),
@@ -102,7 +102,7 @@ def _resume(rank, world_size, how, folder, comm_dtype):
     resumed = [loaded[f"local.rank{rank}.{i}"].clone() for i in range(len(params))]
     state = transform.load_state_dict(transform.init(resumed), loaded, rank=rank)
     if comm_dtype is None:  # laid out as the template: each fragment's global copy and momentum one buffer again
-        from puredist.outer.flat import flat_base
+        from puredist.outer.storage.flat_layout import flat_base
         fragment = state.global_params[:1]
         assert flat_base(fragment) is not None
         assert flat_base([s.momentum_buffer for s in state.outer_state[:1]]) is not None

@@ -68,10 +68,12 @@ def _different_steps(rank, world_size, transform_kind):
     params = [torch.zeros(3)]
     state = transform.init(params)
     params[0].add_(rank)
-    if rank == 1:  # restored from another checkpoint: two steps ahead, also an averaging step
-        state = state._replace(step=2)
+    # restored from another checkpoint: steps ahead, at an averaging step (DiLoCo's update after inner step 4)
+    ahead, named = (2, "step 2") if transform_kind == "averager" else (3, "after inner step 4")
+    if rank == 1:
+        state = state._replace(step=ahead)
     before = params[0].clone()
-    with pytest.raises(RankMismatchError, match=r"(?s)different steps.*step 0.*step 2"):
+    with pytest.raises(RankMismatchError, match=rf"(?s)different steps.*step 0.*{named}"):
         transform.update_(params, state, collective=DistributedCollective())
     assert torch.equal(params[0], before)
     return True
@@ -135,7 +137,7 @@ def _one_rank_passes_a_leaf_it_cannot_average(rank, world_size, path):
                                           **options.get(kind, {}))
         good = [torch.ones(3), torch.ones(2)]
         state = diloco.init(good)
-        until = {"step 0": 0, "a synchronization": 1, "int8": 4, "lower level": 2}[kind]
+        until = {"step 0": 0, "a synchronization": 3, "int8": 6, "lower level": 2}[kind]  # (synchronizing after 1, 4, 7)
         while state.step < until:
             state = diloco.update_(good, state, collective=collective)
         update = diloco.update if "pure" in path else diloco.update_

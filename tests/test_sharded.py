@@ -95,7 +95,7 @@ TRANSFORMS = {
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1,
         compressor=puredist.int8_blocks(8),
     ),
-    # synchronous: stepped on the local shards (puredist.outer.shards); Adam's state counts its steps
+    # synchronous: stepped on the local shards (puredist.outer.storage.shards); Adam's state counts its steps
     "diloco_sync": lambda: puredist.outer_optimizer(
         puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=4, warmup_steps=1, fragments=2,
     ),
@@ -312,7 +312,7 @@ def _restartable(shards, delay):
     model = make_model()
     fully_shard(model, mesh=mesh["shard"])
     transform = puredist.outer_optimizer(
-        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2 if delay == 0 else 4, warmup_steps=1, delay=delay,
+        puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2 if delay == 0 else 4, warmup_steps=2, delay=delay,
     )
     params = dict(model.named_parameters())
     return mesh, model, params, transform, transform.init(params), puredist.DistributedCollective.from_mesh(mesh, "replicate")
@@ -324,7 +324,7 @@ def _save_at_two_shards(rank, world_size, folder, delay):
     mesh, model, params, transform, state, collective = _restartable(2, delay)
     replica = mesh.get_coordinate()[0]
     state = _diloco_steps(model, params, transform, state, collective, replica, range(RESUME_AT))
-    assert bool(state.in_flight) == bool(delay)  # with a delay, the sync started at step 5 is saved in flight
+    assert bool(state.in_flight) == bool(delay)  # with a delay, the sync started after inner step 6 is saved in flight
     # the replicas' parameters differ between synchronizations: each replica group saves its own (under one
     # key for all groups, DCP would keep one group's shards for all); the DiLoCo state is the same in every group
     dcp.save({f"model.replica{replica}": model.state_dict(), "outer": transform.state_dict(state, rank=rank)},

@@ -29,6 +29,7 @@ from puredist.averaging import _float_leaves
 from puredist.errors import CollectiveError, HealFailed, Healed
 from puredist.ft.collective import ManagerCollective
 from puredist.outer.state import OuterState, OuterTransform
+from puredist.outer.timeline import due_fragments
 from puredist.tree import PyTree
 
 __all__ = ["FaultTolerantOuter"]
@@ -40,8 +41,9 @@ class FaultTolerantOuter:
 
     Args:
         transform: from :func:`puredist.outer_optimizer`, synchronous (``delay=0``),
-            without lower levels, with ``warmup_steps >= 1`` (then every ``update_``
-            runs at most one reduction: a healing replica joins its peers' first);
+            without lower levels, synchronizing nothing after the first inner step
+            (then every ``update_`` runs at most one reduction: a healing replica
+            joins its peers' first);
             with a compressor, the payloads are gathered (see
             :func:`puredist.compression.compressed_mean`) and a healed replica starts
             with zero residuals.
@@ -58,20 +60,22 @@ class FaultTolerantOuter:
 
     Raises:
         TypeError: ``transform`` is not from :func:`puredist.outer_optimizer`.
-        ValueError: a transform with a delay, lower levels or no warm-up.
+        ValueError: a transform with a delay, lower levels or a synchronization
+            after the first inner step.
     """
 
     def __init__(self, transform: OuterTransform, manager, *, key: str = "puredist_outer") -> None:
         check("transform", transform, INSTANCE, kind=OuterTransform,
               a="an outer-optimization transform (puredist.outer_optimizer(...))")
         config = options_of(transform.update)
-        if config.delay or config.lower_sizes or config.warmup_steps < 1:
+        if config.delay or config.lower_sizes or due_fragments(config, 1):
             raise ValueError(config.explain(
                 "Arg ``transform``: a fault-tolerant synchronization runs synchronous and at one level "
-                "(delay=0, no lower_levels), after at least one step of warm-up (warmup_steps >= 1): a delayed one "
-                "carries per-rank snapshots that a healing peer cannot hand over, a quorum has no subgroups, and "
-                "without warm-up step 0 would both check the initial copy and synchronize, two reductions in one "
-                "update_, where a replica healing at the second could not replay the first."
+                "(delay=0, no lower_levels), none after the first inner step (sync_every >= 2 with one fragment, "
+                "warmup_steps other than 1): a delayed one carries per-rank snapshots that a healing peer cannot "
+                "hand over, a quorum has no subgroups, and the first update_ both checks the initial copy and would "
+                "synchronize, two reductions in one update_, where a replica healing at the second could not replay "
+                "the first."
             ))
         self.transform = transform
         self.manager = manager

@@ -21,7 +21,7 @@ Each per-parameter state type declares its fields once, where it is defined
 (:func:`param_state`): a field :data:`Shaped` like its parameter or a :data:`Count`
 of steps, and whether the optimizer keeping it steps elementwise or per tensor (a
 norm, as LARS or LAMB). That declaration is the one source that ZeRO, the flat
-DiLoCo path (:mod:`puredist.outer.flat`), :func:`state_axes` (``vmap``), the state
+DiLoCo path (:mod:`puredist.outer.storage.flat`), :func:`state_axes` (``vmap``), the state
 checks and the checkpoints read.
 
 This module must not communicate, nor step anything: it defines what an optimizer
@@ -93,7 +93,7 @@ def param_state(*, elementwise: bool) -> Callable[[type], type]:
     annotated :data:`Shaped` or :data:`Count` (``Annotated[T, FieldKind...]``, ``T``
     possibly ``torch.Tensor | None``), and whether the optimizer that keeps it steps
     ``elementwise``. This one declaration is what ZeRO, the flat DiLoCo path
-    (:mod:`puredist.outer.flat`), :func:`state_axes`, the state checks and the
+    (:mod:`puredist.outer.storage.flat`), :func:`state_axes`, the state checks and the
     checkpoints read. A state holds tensors only, no ``None`` field (a configuration
     that keeps no buffer or count has a state type without that field), so that plain
     ``torch.func.vmap`` maps it (as optax's states).
@@ -166,7 +166,7 @@ class Optimizer(NamedTuple):
             gradient and state only (no norm, no per-tensor statistic), so that a step
             of tensors laid end to end in one buffer equals the step of each: what
             lets DiLoCo step a fragment's global copy as one tensor
-            (:mod:`puredist.outer.flat`). :func:`~puredist.optim.make_optimizer` takes
+            (:mod:`puredist.outer.storage.flat`). :func:`~puredist.optim.make_optimizer` takes
             it from the state type's declaration; ``False`` for one built by hand
             unless it says so.
     """

@@ -5,12 +5,12 @@ anything is built, are :func:`puredist.outer.checks.check_saved`).
 A checkpoint is a flat dict of fixed keys (the same for any state of one transform),
 which ``torch.save`` and ``torch.distributed.checkpoint`` both store:
 
-- ``step``, ``config`` (the transform's ``OuterConfig.text``),
-  ``world_size``;
+- ``format`` (:data:`FORMAT`: which puredist's checkpoints it reads as), ``step``,
+  ``config`` (the transform's ``OuterConfig.text``), ``world_size``;
 - ``global.{i}``: the global copy of leaf ``i``;
 - ``outer.{i}.{field}`` and ``outer.{i}.{field}.present``: the outer optimizer's state
   of leaf ``i`` (a field that is ``None`` is saved as zeros, marked absent);
-- ``in_flight.{f}.apply_step`` (``-1``: none), ``in_flight.{f}.pseudo_grad.{k}`` and,
+- ``in_flight.{f}.started`` (``-1``: none), ``in_flight.{f}.pseudo_grad.{k}`` and,
   with a delay, ``in_flight.{f}.snapshot.{k}.rank{r}``: fragment ``f``'s
   synchronization in flight, completed before it is saved;
 - ``residual.{i}.rank{r}``: with a compressor, rank ``r``'s error-feedback residuals.
@@ -33,16 +33,22 @@ from puredist._dtensors import like, local_shard
 from puredist.collectives import CollectiveHandle
 from puredist.outer.checks import check_saved, world_size
 from puredist.outer.config import OuterConfig
-from puredist.outer.flat import relaid_states
-from puredist.outer.schedule import fragment_leaves
+from puredist.outer.fragments import fragment_leaves
 from puredist.outer.state import InFlight, OuterState
+from puredist.outer.storage.flat_layout import relaid_states
+
+FORMAT = 2
+"""The checkpoint's format: 2 since puredist 0.2.0, whose steps count completed inner
+steps (DiLoCo's Algorithm 1: the first synchronization after inner step ``H``); a
+checkpoint of puredist 0.1.0 (no ``format`` entry) followed another schedule and is
+refused (:data:`puredist.outer.checks.SAVED`)."""
 
 
 def state_dict(config: OuterConfig, state: OuterState, *, rank: int) -> dict[str, Any]:
     """A flat dict of ``state`` for ``torch.save`` or DCP (completes collectives in
     flight: every rank calls it at the same step)."""
     fragments = fragment_leaves(config, state.global_params)
-    saved: dict[str, Any] = {"step": state.step, "config": config.text, "world_size": world_size()}
+    saved: dict[str, Any] = {"format": FORMAT, "step": state.step, "config": config.text, "world_size": world_size()}
     for i, (global_param, leaf_state) in enumerate(zip(state.global_params, state.outer_state)):
         saved[f"global.{i}"] = global_param
         for field, value in leaf_state._asdict().items():
@@ -53,7 +59,7 @@ def state_dict(config: OuterConfig, state: OuterState, *, rank: int) -> dict[str
         item = by_fragment.get(f)
         if item is not None:
             item.handle.wait()
-        saved[f"in_flight.{f}.apply_step"] = item.apply_step if item is not None else -1
+        saved[f"in_flight.{f}.started"] = item.started if item is not None else -1
         for k, i in enumerate(indices):
             shaped = state.global_params[i].to(dtype=config.comm_dtype or state.global_params[i].dtype)
             saved[f"in_flight.{f}.pseudo_grad.{k}"] = item.pseudo_grads[k] if item else torch.zeros_like(shaped)
@@ -96,11 +102,11 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
                   state.residuals, residuals)
     in_flight = []
     for f, indices in enumerate(fragments):
-        apply_step = int(saved[f"in_flight.{f}.apply_step"])
-        if apply_step < 0:
+        started = int(saved[f"in_flight.{f}.started"])
+        if started < 0:
             continue
         in_flight.append(InFlight(
-            apply_step,
+            started,
             f,
             tuple(saved[f"in_flight.{f}.pseudo_grad.{k}"].clone() for k in range(len(indices))),
             tuple(
@@ -109,5 +115,5 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
             ) if config.delay else (),
             CollectiveHandle(),  # completed before it was saved
         ))
-    in_flight.sort(key=lambda item: item.apply_step)
+    in_flight.sort(key=lambda item: item.started)
     return OuterState(int(saved["step"]), tuple(global_params), tuple(outer_state), tuple(in_flight), tuple(residuals))

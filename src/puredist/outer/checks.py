@@ -27,8 +27,8 @@ from puredist.collectives import Collective
 from puredist.collectives.base import check_group_sizes
 from puredist.optim.base import declaration
 from puredist.outer.config import OuterConfig
-from puredist.outer.schedule import due_fragments
 from puredist.outer.state import OuterState
+from puredist.outer.timeline import started_in_flight
 from puredist.collectives.vmap import VmapCollective
 
 
@@ -141,7 +141,16 @@ def _same_kind(key: str, value: object, expected: object) -> bool:
 
 
 _ANY = r".*"
-SAVED = (  # in this order: whose checkpoint it is, entries missing (saved by fewer ranks), values, entries beyond, kinds
+SAVED = (  # in this order: which version wrote it, whose checkpoint it is, entries missing (saved by fewer ranks),
+    # values, entries beyond, kinds
+    Expect("format", lambda v, e, m, c: v is not ABSENT,
+           "it was saved by puredist 0.1.0 (it has no ``format`` entry), whose DiLoCo schedule counted a step before "
+           "the first inner step was complete (the first synchronization after inner step 1, plain averaging, where "
+           "DiLoCo's Algorithm 1 takes an outer step after inner step sync_every): this version cannot continue that "
+           "run on its trajectory. Finish it with puredist 0.1.0, or start this version's state from its global copy "
+           "(write its ``global.<i>`` entries into the parameters, then init)."),
+    Expect("format", lambda v, e, m, c: v == e,
+           "it is a checkpoint of format {value!r}; this version of puredist reads format {expected!r}."),
     Expect("config", lambda v, e, m, c: v == e,
            "it was saved by {value!r}; this transform is {expected!r}: the schedules and payloads differ, so it "
            "cannot continue that run."),
@@ -171,9 +180,9 @@ SAVED = (  # in this order: whose checkpoint it is, entries missing (saved by fe
     Expect(r"residual\.(\d+)\.rank(\d+)", lambda v, e, m, c: _is_tensor_of_shape(v, e),
            "rank {1}'s residual {0} has shape {shape}, this rank's shard {expected_shape}: it was saved at "
            "another sharding. A compressed run resumes at the layout it was saved at."),
-    Expect(r"in_flight\.(\d+)\.apply_step", lambda v, e, m, c: type(v) is not int or v == e,
-           "fragment {0}'s synchronization in flight applies at step {value} (-1: none); at the saved step {step} the "
-           "schedule has {scheduled}."),
+    Expect(r"in_flight\.(\d+)\.started", lambda v, e, m, c: type(v) is not int or v == e,
+           "fragment {0}'s synchronization in flight started after inner step {value} (-1: none); after the saved "
+           "step {step} the schedule has {scheduled}."),
     Expect(_ANY, lambda v, e, m, c: m.string not in c.extra,
            "it holds entries this transform's checkpoint does not: [{key!r}] (a checkpoint of other parameters: more "
            "leaves or fragments)."),
@@ -196,7 +205,7 @@ def check_saved(config: OuterConfig, state: OuterState, saved: Mapping[str, Any]
     check_entries("saved", SAVED, saved, _load(config, state, saved, expected, rank), _why, absent=ABSENT)
 
 
-_APPLY_STEP = re.compile(r"in_flight\.(\d+)\.apply_step")
+_STARTED = re.compile(r"in_flight\.(\d+)\.started")
 _FLAG_OF_LEAF_0 = re.compile(r"outer\.0\.\w+\.present")
 
 
@@ -208,7 +217,7 @@ def _load(config: OuterConfig, state: OuterState, saved: Mapping[str, Any], expe
     beyond it."""
     step = saved.get("step")
     if NON_NEGATIVE_INT.holds(step, {}):
-        expected = {key: _in_flight_at(config, int(match[1]), step) if (match := _APPLY_STEP.fullmatch(key)) else value
+        expected = {key: started_in_flight(config, int(match[1]), step) if (match := _STARTED.fullmatch(key)) else value
                     for key, value in expected.items()}
     declared = declaration(type(state.outer_state[0])) if state.outer_state else None
     return _Load(
@@ -226,8 +235,8 @@ def _why(row: Expect, match: Any, value: object, load: _Load) -> str:
     return row.why.format(
         *match.groups(), key=match.string, value=value, expected=expected, found=_entry(value), holds=_entry(expected),
         shape=_shape(value), expected_shape=_shape(expected), fields=load.fields, saved_fields=load.saved_fields,
-        step=load.step, scheduled=f"the one started at step {expected - load.delay} in flight, applying at step "
-        f"{expected}" if isinstance(expected, int) and expected >= 0 else "none in flight",
+        step=load.step, scheduled=f"the one started after inner step {expected} in flight, applied after inner step "
+        f"{expected + load.delay}" if isinstance(expected, int) and expected >= 0 else "none in flight",
     )
 
 
@@ -242,14 +251,6 @@ def _entry(value: object) -> str:
     if value is ABSENT:
         return "nothing"
     return f"{type(value).__name__} {value!r}" if isinstance(value, bool) else type(value).__name__
-
-
-def _in_flight_at(config: OuterConfig, fragment: int, step: int) -> int:
-    """The step at which ``fragment``'s synchronization in flight at ``step`` (saved
-    after ``step`` steps) applies, by the schedule: one started at a step in
-    ``[step - delay, step - 1]``; ``-1`` where none is."""
-    started = [s for s in range(max(step - config.delay, 0), step) if fragment in due_fragments(config, s)]
-    return started[-1] + config.delay if started else -1
 
 
 _OTHER_RANK = re.compile(r"\.rank\d+$")
@@ -283,7 +284,7 @@ def _missing(expected: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]
         field_absent = key.endswith(".present") and not template or (
             key.startswith("outer.") and not expected.get(f"{key}.present", True)
         )
-        idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.apply_step") == -1
+        idle_snapshot = ".snapshot." in key and saved.get(f"in_flight.{key.split('.')[1]}.started") == -1
         return key == "world_size" or field_absent or idle_snapshot
 
     return [key for key, template in expected.items() if key not in saved and not may_be_absent(key, template)]

@@ -5,7 +5,7 @@ explicitly (no function captures options): the outer optimizer, the schedule's
 numbers, the dtypes and devices of the global copy and of the payload, the lower
 levels, the compressor, and what follows from them (the text that names the
 configuration in rank checks and checkpoints). When each fragment synchronizes is
-:func:`puredist.outer.schedule.sync_number`'s.
+:mod:`puredist.outer.timeline`'s.
 
 This module must not touch tensors or talk to other ranks.
 """
@@ -41,8 +41,8 @@ class OuterConfig:
         comm_dtype, global_device, global_dtype, compressor: as given.
         lower_levels: ``{period: group_size}``, as given (``{}``: none).
         lower_sizes: the group sizes of ``lower_levels``, in its order.
-        lower_level: ``step -> index into lower_sizes`` of the lower level that
-            averages at ``step``, or ``None``.
+        lower_level: ``count -> index into lower_sizes`` of the lower level that
+            averages after inner step ``count``, or ``None``.
         same_place: the global copy is the parameters' own device and dtype and is
             sent in it (no ``comm_dtype``; a compressor encodes it as it is):
             pseudo-gradients and write-backs are then multi-tensor kernels over

@@ -20,8 +20,8 @@ from puredist._transforms import transforms_active
 from puredist.averaging import _float_leaves
 from puredist.collectives import CollectiveHandle
 from puredist.outer.config import OuterConfig
-from puredist.outer.flat import flat_init, flat_zeros, flattens
-from puredist.outer.schedule import fragment_leaves
+from puredist.outer.fragments import fragment_leaves
+from puredist.outer.storage.flat_layout import flat_init, flat_zeros, flattens
 from puredist.tree import PyTree
 
 
@@ -30,7 +30,8 @@ class InFlight(NamedTuple):
     """One fragment's synchronization, started and not yet applied.
 
     Attributes:
-        apply_step: the step at which the averaged pseudo-gradient is applied.
+        started: the count of inner steps after which it started (the state's step
+            then); it is applied after inner step ``started + delay``.
         fragment: the fragment's index.
         pseudo_grads: the fragment's pseudo-gradients, averaged in place by the
             collective (final once ``handle`` is waited on), in the comm dtype.
@@ -39,7 +40,7 @@ class InFlight(NamedTuple):
         handle: the collective's handle.
     """
 
-    apply_step: int
+    started: int
     fragment: int
     pseudo_grads: tuple[torch.Tensor, ...]
     snapshot: tuple[torch.Tensor, ...]
@@ -51,7 +52,9 @@ class OuterState(NamedTuple):
     """State of an outer-optimization transform.
 
     Attributes:
-        step: how many times ``update``/``update_`` ran.
+        step: how many times ``update``/``update_`` ran: the inner steps completed
+            (``update`` runs once after each), the count the schedule reads
+            (:mod:`puredist.outer.timeline`).
         global_params: the global copy, one tensor per parameter leaf.
         outer_state: the outer optimizer's per-parameter states, aligned with the leaves.
         in_flight: synchronizations started and not yet applied, in start order.
@@ -80,7 +83,8 @@ class OuterTransform(NamedTuple):
     Attributes:
         init: ``init(params) -> OuterState``: step 0, the global copy, fresh outer state.
         update: ``update(params, state, *, collective) -> (params, state)``: pure (and
-            under ``torch.func`` transforms for synchronous, uncompressed syncs). Eagerly
+            under ``torch.func`` transforms and ``torch.compile``, for synchronous
+            synchronizations, compressed or not). Eagerly
             every returned tensor is new; under a transform, what a step leaves
             unchanged is returned as given (as JAX does, and the averagers): change
             those in place and the inputs change too.
@@ -122,7 +126,7 @@ def init_state(config: OuterConfig, params: PyTree) -> OuterState:
     residuals: list = [None] * len(leaves) if config.compressor else []
     for indices in fragment_leaves(config, leaves):
         fragment = [leaves[i] for i in indices]
-        if flattens(config, fragment):  # views of one buffer: stepped as one tensor (see puredist.outer.flat)
+        if flattens(config, fragment):  # views of one buffer: stepped as one tensor (puredist.outer.storage.flat)
             copy, states = flat_init(config, fragment)
             left = flat_zeros(fragment, torch.float32) if residuals else ()
         else:

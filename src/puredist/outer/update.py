@@ -1,13 +1,15 @@
-"""One step of an outer-optimization transform: the synchronizations due start, those
-whose delay is over are applied, and a lower level due averages the idle fragments.
+"""One step of an outer-optimization transform, run after inner step ``count =
+state.step + 1``: the synchronizations due start, those whose delay is over are
+applied, and a lower level due averages the idle fragments.
 
-:func:`update_` runs in place; :func:`update` is its pure twin (it works on copies);
-:func:`traced_update` is what :func:`update` runs under ``torch.func`` transforms
-(out of place, synchronous only; differentiable without a compressor). The schedule
-is :mod:`puredist.outer.schedule`'s, one synchronization :mod:`puredist.outer.sync`'s.
+:func:`update_` runs in place; :func:`update` is its pure twin (it works on copies,
+or, under ``torch.func`` transforms and ``torch.compile``, runs the same step on the
+out-of-place storage: :func:`traced_update`). Both are :func:`_step` over a
+:class:`~puredist.outer.storage.base.Storage`. When each fragment synchronizes is
+:mod:`puredist.outer.timeline`'s, one synchronization :mod:`puredist.outer.sync`'s.
 
 This module must not compute a synchronization itself: it orders those of
-:mod:`puredist.outer.sync` by the schedule.
+:mod:`puredist.outer.sync` by the timeline.
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ from puredist._transforms import is_transformed, transforms_active
 from puredist._validation import check_all
 from puredist.averaging import _float_leaves
 from puredist.collectives import Collective, CollectiveError, refusing
-from puredist.compression import compressed_mean
 from puredist.optim import clone_states
+from puredist.outer import sync
 from puredist.outer.checks import (
     check_collective, check_initial_copy, check_params, check_state, initial_check_context,
 )
 from puredist.outer.config import OuterConfig
-from puredist.outer.schedule import (
-    due_fragments, fragment_leaves, is_first_sync, lower_level_fragments, outer_step_fragments,
-)
+from puredist.outer.fragments import fragment_leaves
 from puredist.outer.state import OuterState
-from puredist.outer.sync import SyncContext, apply, issue, pseudo_gradient, start
+from puredist.outer.storage import Fragment, Storage, storage_for, traced_storage
+from puredist.outer.timeline import due_fragments, lower_level_fragments, outer_step_fragments
 from puredist.tree import PyTree, clone_leaves, tree_leaves, tree_unflatten
 
 
@@ -40,10 +41,10 @@ class _LowerContext(NamedTuple):
     checked (under ``torch.compile`` the step may be symbolic: no string is built)."""
 
     config: OuterConfig
-    step: int
+    count: int
 
     def __str__(self) -> str:
-        return f"{self.config} lower level at step {self.step}"
+        return f"{self.config} lower level after inner step {self.count}"
 
 
 def _leaves_and_fragments(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective, *, traced: bool):
@@ -82,25 +83,25 @@ def _first_check(config: OuterConfig, state: OuterState) -> tuple[int | None, ob
         return None, initial_check_context(config)
     for item in state.in_flight:
         if item.handle.error is not None:
-            return None, SyncContext(config, item.fragment, item.apply_step - config.delay)
-    due = due_fragments(config, state.step)
+            return None, sync.SyncContext(config, item.fragment, item.started)
+    count = state.step + 1
+    due = due_fragments(config, count)
     if due:
-        return None, SyncContext(config, due[0], state.step)
-    waiting = {item.fragment for item in state.in_flight if item.apply_step != state.step}
-    level, idle = lower_level_fragments(config, state.step, waiting)
+        return None, sync.SyncContext(config, due[0], count)
+    waiting = {item.fragment for item in state.in_flight if item.started + config.delay != count}
+    level, idle = lower_level_fragments(config, count, waiting)
     if level is not None and idle:  # (every fragment holds a leaf)
-        return config.lower_sizes[level], _LowerContext(config, state.step)
+        return config.lower_sizes[level], _LowerContext(config, count)
     return None
 
 
 def _check_outer_steps(config: OuterConfig, state: OuterState, fragments) -> None:
     """Raise ``ValueError`` before anything is communicated where the outer optimizer
-    would refuse a step applied at ``state``'s step (a schedule's value out of range,
-    :attr:`~puredist.Optimizer.check`): the synchronizations the schedule applies now,
-    those started ``delay`` steps before (in flight, or due now without a delay; a
-    fragment's first only averages: :func:`~puredist.outer.schedule.outer_step_fragments`)."""
+    would refuse a step applied after this step's inner step (a schedule's value out
+    of range, :attr:`~puredist.Optimizer.check`): the fragments whose synchronization
+    applied now takes an outer step (:func:`~puredist.outer.timeline.outer_step_fragments`)."""
     check_all(config.outer.check, ([state.outer_state[i] for i in fragments[f]]
-                                   for f in outer_step_fragments(config, state.step)))
+                                   for f in outer_step_fragments(config, state.step + 1)))
 
 
 def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> OuterState:
@@ -111,40 +112,60 @@ def update_(config: OuterConfig, params: PyTree, state: OuterState, *, collectiv
     step was applied, the :class:`~puredist.CollectiveError` carries the state to
     continue from (``error.state``)."""
     check_state(config, state)
-    return _step_(config, params, state, collective)
+    return _stepped_(config, params, state, collective)
 
 
-def _step_(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> OuterState:
+def _stepped_(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> OuterState:
     """:func:`update_` of a state known to be an :class:`OuterState` (:func:`update`
     checked it, or built it)."""
     leaves, _, fragments = _leaves_and_fragments(config, params, state, collective, traced=False)
+    return _step(config, storage_for(config, leaves, collective), leaves, fragments, state, collective)[1]
+
+
+def _step(config: OuterConfig, storage: Storage, leaves: list, fragments, state: OuterState,
+          collective: Collective) -> tuple[list, OuterState]:
+    """``(new leaves, new state)`` after one step on checked inputs (in place: the
+    leaves given, written; traced: new ones)."""
+    count = state.step + 1
     _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
-    in_flight = [
-        item._replace(handle=issue(config, item.pseudo_grads, item.apply_step - config.delay, item.fragment, collective))
-        if item.handle.error is not None else item
-        for item in state.in_flight
-    ]
-    due = due_fragments(config, state.step)
-    residuals, flat_globals = list(state.residuals), {}
+    in_flight = [sync.issue_again(config, item, collective) if item.handle.error is not None else item
+                 for item in state.in_flight]
+    globals_, states, residuals = list(state.global_params), list(state.outer_state), list(state.residuals)
+    new_leaves = list(leaves)
+
+    def fragment(f: int) -> Fragment:
+        indices = fragments[f]
+        return Fragment(f, [new_leaves[i] for i in indices], [globals_[i] for i in indices],
+                        [states[i] for i in indices], [residuals[i] for i in indices] if residuals else [])
+
+    due = due_fragments(config, count)
     for f in due:
-        in_flight.append(start(config, leaves, state, f, fragments[f], collective, residuals, flat_globals))
-    applying = [item for item in in_flight if item.apply_step == state.step]
-    waiting = [item for item in in_flight if item.apply_step != state.step]
+        item, left = sync.start(config, storage, fragment(f), count, collective)
+        in_flight.append(item)
+        for i, residual in zip(fragments[f], left):
+            residuals[i] = residual
+    applying = [item for item in in_flight if item.started + config.delay == count]
+    waiting = [item for item in in_flight if item.started + config.delay != count]
+    for item in applying:  # all of them before any is applied: a failure applies nothing
+        if not item.handle.is_completed():  # (a completed one has nothing to wait for; traced: all)
+            item.handle.wait()
     for item in applying:
-        item.handle.wait()  # all of them before any is applied: a failure applies nothing
-    global_params, outer_state = list(state.global_params), list(state.outer_state)
-    for item in applying:
-        apply(config, leaves, global_params, outer_state, item, fragments[item.fragment], flat_globals.get(item.fragment))
-    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), tuple(waiting), tuple(residuals))
-    level, idle = lower_level_fragments(config, state.step, set(due) | {item.fragment for item in waiting})
-    idle_leaves = [leaves[i] for f in idle for i in fragments[f]]
+        done = sync.apply(config, storage, fragment(item.fragment), item)
+        for k, i in enumerate(fragments[item.fragment]):
+            new_leaves[i], globals_[i], states[i] = done.locals[k], done.globals[k], done.states[k]
+    new_state = OuterState(count, tuple(globals_), tuple(states), tuple(waiting), tuple(residuals))
+    level, idle = lower_level_fragments(config, count, set(due) | {item.fragment for item in waiting})
+    idle_leaves = [i for f in idle for i in fragments[f]]
     if level is not None and idle_leaves:
         try:
-            collective.mean_(idle_leaves, group_size=config.lower_sizes[level], context=_LowerContext(config, state.step))
+            means = storage.mean_within([new_leaves[i] for i in idle_leaves], collective,
+                                        group_size=config.lower_sizes[level], context=_LowerContext(config, count))
         except CollectiveError as error:
             error.state = new_state  # the outer step was applied: continue from this state
             raise
-    return new_state
+        for i, mean in zip(idle_leaves, means):
+            new_leaves[i] = mean
+    return new_leaves, new_state
 
 
 def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective: Collective) -> tuple[PyTree, OuterState]:
@@ -191,7 +212,7 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
         tuple(t.clone() for t in state.residuals),
     )
     try:
-        return tree_unflatten(spec, copies), _step_(config, copies, cloned, collective)
+        return tree_unflatten(spec, copies), _stepped_(config, copies, cloned, collective)
     except CollectiveError as error:
         if getattr(error, "state", None) is not None:  # the global copy was written into the copies
             error.params = tree_unflatten(spec, copies)
@@ -199,11 +220,10 @@ def update(config: OuterConfig, params: PyTree, state: OuterState, *, collective
 
 
 def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collective: Collective) -> tuple[PyTree, OuterState]:
-    """:func:`update` under ``torch.func`` transforms and ``torch.compile``: out of place
-    (the collective's ``mean``, or the compressor's two phases with error feedback,
-    :func:`puredist.compression.compressed_mean`; the outer optimizer's pure
-    ``update``), for synchronous synchronizations; differentiable without a
-    compressor (its payloads are not).
+    """:func:`update` under ``torch.func`` transforms and ``torch.compile``: the same
+    step, on the out-of-place storage (:mod:`puredist.outer.storage.traced`), for
+    synchronous synchronizations; differentiable without a compressor (its payloads
+    are not).
 
     Raises:
         NotImplementedError: a delay, or synchronizations in flight.
@@ -216,36 +236,5 @@ def traced_update(config: OuterConfig, params: PyTree, state: OuterState, collec
             )
         )
     leaves, spec, fragments = _leaves_and_fragments(config, params, state, collective, traced=True)
-    global_params, outer_state, new_leaves = list(state.global_params), list(state.outer_state), list(leaves)
-    residuals = list(state.residuals)
-    due = due_fragments(config, state.step)
-    for f in due:
-        indices = fragments[f]
-        pseudo = [pseudo_gradient(config, global_params[i], leaves[i]) for i in indices]
-        if config.compressor is None:
-            means = collective.mean(pseudo, context=SyncContext(config, f, state.step))
-        else:
-            means, left = compressed_mean(pseudo, tuple(residuals[i] for i in indices), config.compressor, collective,
-                                          context=SyncContext(config, f, state.step))
-            for i, residual in zip(indices, left):
-                residuals[i] = residual
-        targets = [global_params[i] for i in indices]
-        grads = [m.to(g.dtype) for m, g in zip(means, targets)]
-        if is_first_sync(config, f, state.step):  # plain averaging (see sync.apply)
-            targets = [t - g for t, g in zip(targets, grads)]
-        else:
-            targets, stepped = config.outer.update(targets, grads, tuple(outer_state[i] for i in indices))
-            for k, i in enumerate(indices):
-                outer_state[i] = stepped[k]
-        for k, i in enumerate(indices):
-            global_params[i] = targets[k]
-            new_leaves[i] = targets[k].to(leaves[i].device, leaves[i].dtype, copy=True)  # never the global copy
-    level, idle = lower_level_fragments(config, state.step, due)
-    idle_leaves = [i for f in idle for i in fragments[f]]
-    if level is not None and idle_leaves:
-        means = collective.mean([new_leaves[i] for i in idle_leaves], group_size=config.lower_sizes[level],
-                                context=_LowerContext(config, state.step))
-        for i, mean in zip(idle_leaves, means):
-            new_leaves[i] = mean
-    new_state = OuterState(state.step + 1, tuple(global_params), tuple(outer_state), (), tuple(residuals))
+    new_leaves, new_state = _step(config, traced_storage(config, collective), leaves, fragments, state, collective)
     return tree_unflatten(spec, new_leaves), new_state

@@ -1,29 +1,23 @@
-"""Flat fragments: a fragment's global copy and outer state as views of one buffer
-each, so that a synchronization steps the fragment as one tensor.
+"""Flat fragments' layout: a fragment's global copy and outer state made, at ``init``
+(and again at a load), as views of one buffer each, so that a synchronization can
+step the fragment as one tensor (:class:`~puredist.outer.storage.flat.Flat`).
 
-With the global copy in the parameters' own place (``OuterConfig.same_place``),
-an elementwise outer optimizer (:attr:`~puredist.Optimizer.elementwise`) and a
-fragment of one device and dtype whose leaves are small (host-bound: see
-:data:`_FLAT_MAX_LEAF_BYTES`), :func:`flat_init` lays the fragment's global copy
-end to end in one buffer and gives each leaf a view of it (the state keeps its
-per-leaf form: checkpoints, ``update`` and the other paths see the same tensors),
-and the outer state likewise when every field of it is declared shaped like the
-parameters (SGD's momentum; not a per-parameter step count). An outer optimizer that
-is not elementwise (its state type's declaration says so: a per-tensor norm, as
-LARS or LAMB) keeps the per-leaf path, its norms per tensor. A synchronization then takes the
-pseudo-gradient into the fragment's own buffer (:func:`flat_pseudo_gradient`), averages that one
-tensor, and steps the buffers (:func:`step_flat`): a few kernels per fragment instead
-of a few per leaf. With a compressor, the error-feedback residuals are one buffer too
-(:func:`flat_zeros`), and the fragment is compressed and averaged as one tensor
-(``puredist.compression.compressed_mean_flat_``). Elementwise, the results are
-those of the per-leaf path, bit for bit in fp32 and fp64 with torch's for-loop and
-multi-tensor kernels; in 16-bit dtypes on a CPU, and with the fused kernels (``fused=True``)
-in any, they may differ in the last bit (those kernels round the vectorized body of a
-tensor and its tail differently, and the flat buffer's tails are elsewhere).
+With the global copy in the parameters' own place (``OuterConfig.same_place``), an
+elementwise outer optimizer (:attr:`~puredist.Optimizer.elementwise`) and a fragment
+of one device and dtype whose leaves are small (host-bound: see
+:data:`_FLAT_MAX_LEAF_BYTES`), :func:`flat_init` lays the fragment's global copy end
+to end in one buffer and gives each leaf a view of it (the state keeps its per-leaf
+form: checkpoints, ``update`` and the other storages see the same tensors), and the
+outer state likewise when every field of it is declared shaped like the parameters
+(SGD's momentum; not a per-parameter step count). An outer optimizer that is not
+elementwise (its state type's declaration says so: a per-tensor norm, as LARS or
+LAMB) keeps the per-leaf layout, its norms per tensor. With a compressor, the
+error-feedback residuals are one buffer too (:func:`flat_zeros`).
 
 Whether a list of views still tiles its buffer is decided from the tensors'
-metadata, once per layout (:func:`flat_base`): a state rebuilt per leaf (by
-``load_state_dict``, by the pure ``update``'s copies) takes the per-leaf path.
+metadata, once per layout (:func:`flat_base`): a state rebuilt per leaf (by the pure
+``update``'s copies) is stepped per leaf; ``load_state_dict`` lays a loaded state out
+as its template (:func:`relaid_states`).
 
 This module must not communicate.
 """
@@ -33,7 +27,6 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from puredist._dtensors import is_dtensor
 from puredist._layout import layout_of, views_like
@@ -125,66 +118,6 @@ def flat_state(states: Sequence[NamedTuple]) -> NamedTuple | None:
             return None
         fields.append(base)
     return type(states[0])(*fields)
-
-
-_SCRATCH: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Per flat global copy (held weakly): ``{purpose: (buffer, its per-leaf views)}``,
-the buffers a synchronization of the fragment takes its pseudo-gradients and its
-snapshot into, made once (views made at every synchronization would be host work
-per leaf)."""
-
-
-def _scratch(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
-             purpose: str) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The fragment's own buffer for ``purpose``, shaped as ``global_flat`` and viewed
-    as ``globals_``: reused at each of its synchronizations (at most one of a
-    fragment's is in flight: ``delay < sync_every``); it lives as long as the global
-    copy (one more copy of the fragment, which the per-leaf path allocates at every
-    synchronization instead)."""
-    buffers = _SCRATCH.get(global_flat)
-    if buffers is None:
-        buffers = _SCRATCH[global_flat] = {}
-    entry = buffers.get(purpose)
-    if entry is None:
-        buffer = torch.empty_like(global_flat)
-        entry = buffers[purpose] = (buffer, tuple(views_like(buffer, globals_)))
-    return entry
-
-
-def flat_pseudo_gradient(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
-                         locals_: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``global - local`` of a flat fragment (its global copy ``global_flat``, viewed
-    as ``globals_``) in the fragment's pseudo-gradient buffer (see :func:`_scratch`):
-    ``(buffer, its views per leaf)``."""
-    buffer, views = _scratch(global_flat, globals_, "pseudo-gradient")
-    with torch.no_grad():
-        torch._foreach_copy_(list(views), list(locals_))
-        torch.sub(global_flat, buffer, out=buffer)
-    return buffer, views
-
-
-def flat_snapshot(global_flat: torch.Tensor, globals_: Sequence[torch.Tensor],
-                  locals_: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A copy of a flat fragment's local parameters ``locals_``, as views of the
-    fragment's snapshot buffer (see :func:`_scratch`): one multi-tensor copy."""
-    _, views = _scratch(global_flat, globals_, "snapshot")
-    with torch.no_grad():
-        torch._foreach_copy_(list(views), list(locals_))
-    return views
-
-
-def step_flat(config: OuterConfig, global_flat: torch.Tensor, pseudo: torch.Tensor, state: NamedTuple | None) -> None:
-    """The outer step of a flat fragment in place (``state=None``: its first
-    synchronization, plain averaging ``g - mean(g - l)``); a state field the
-    optimizer returns anew is copied into its buffer, so the views stay the state."""
-    with torch.no_grad():
-        if state is None:
-            global_flat.sub_(pseudo)
-            return
-        (stepped,) = config.outer.update_([global_flat], [pseudo], [state])
-        for old, new in zip(state, stepped):
-            if new is not old:
-                old.copy_(new)
 
 
 def relaid(template: Sequence[torch.Tensor], loaded: Sequence[torch.Tensor]) -> list[torch.Tensor]:
