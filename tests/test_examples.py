@@ -44,6 +44,12 @@ def test_diloco_over_fsdp2_runs_and_checkpoints(tmp_path):
     assert "returned a view tensor" not in done.stderr
 
 
+def test_diloco_between_clusters_with_ddp_inside_runs_and_ends_on_the_global_copy():
+    done = torchrun("diloco_two_clusters.py", "--steps", "16", "--sync-every", "8", "--clusters", "2", ranks=4)
+    assert_ran(done)
+    assert "done on 2 clusters of 2" in done.stdout and "16 steps, every rank on the global copy: True" in done.stdout
+
+
 def test_the_property_example_runs_as_a_script():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "property_test.py")],
                           capture_output=True, text=True, timeout=180, env=ENV)

@@ -374,3 +374,29 @@ def test_a_fused_outer_optimizer_steps_a_transposed_leaf_as_the_unfused_one(fuse
         return leaf
 
     torch.testing.assert_close(run(fused), run(plain), rtol=1e-5, atol=1e-6)
+
+
+@given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**16))
+def test_a_0_1_0_warm_up_of_w_steps_is_a_warm_up_of_w_plus_1_now(sync_every, warmup, delay, seed):
+    # CHANGELOG.md's migration rule, against 0.1.0's count written out: it counted updates from 0 (a
+    # synchronization at update k >= W with (k - W) % H == 0, the first only averaging, applied at update k + delay)
+    delay = min(delay, sync_every - 1)
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randn(1, 5, generator=gen, dtype=torch.float64).repeat(3, 1)
+    drifts = [torch.randn(3, 5, generator=gen, dtype=torch.float64) for _ in range(12)]
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=sync_every,
+                                         warmup_steps=warmup + 1, delay=delay)
+    params = [start.clone()]
+    state = transform.init(params)
+    local, glob, buf, pending = start.clone(), start[0].clone(), None, {}
+    for k, drift in enumerate(drifts):
+        params[0].add_(drift)
+        state = transform.update_(params, state, collective=puredist.SimulatedCollective(3))
+        local = local + drift
+        if k >= warmup and (k - warmup) % sync_every == 0:
+            pending[k + delay] = (k == warmup, (glob - local).mean(0), local.clone())
+        if k in pending:
+            first, pseudo, snapshot = pending.pop(k)
+            glob, buf = (glob - pseudo, buf) if first else sgd_step(glob, pseudo, buf, 0.7, 0.9, True)
+            local = glob.expand_as(local) + (local - snapshot)
+        torch.testing.assert_close(params[0], local, rtol=1e-10, atol=1e-10)

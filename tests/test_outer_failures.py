@@ -198,3 +198,20 @@ def _lower_level_fails(rank, world_size, pure):
 @pytest.mark.parametrize("pure", [False, True], ids=["update_", "update"])
 def test_a_lower_level_failure_after_the_outer_step_carries_the_new_state(pure):
     assert run_workers(_lower_level_fails, 4, pure, victims=(3,), timeout=60)[:3] == [1, 1, 1]
+
+
+def test_a_checkpoint_written_by_puredist_0_1_0_is_refused_naming_the_version():
+    # written by puredist 0.1.0 (commit af12312), whose count started before the first inner step was complete:
+    # sync_every=2, delay=1, saved after 3 updates with a synchronization in flight
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "data" / "outer_checkpoint_0.1.0.pt")
+    assert "format" not in saved and saved["in_flight.0.apply_step"] == 3
+    transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2, delay=1)
+    params = [torch.zeros(2, 3), torch.zeros(2, 5)]
+    assert saved["config"] == transform.state_dict(transform.init(params), rank=0)["config"]  # the same options
+    with pytest.raises(ValueError, match=r"saved by puredist 0\.1\.0 .*cannot continue that run"):
+        transform.load_state_dict(transform.init(params), saved, rank=0)
+    current = transform.state_dict(transform.init(params), rank=0)
+    with pytest.raises(ValueError, match=r"checkpoint of format 3; this version of puredist reads format 2"):
+        transform.load_state_dict(transform.init(params), {**current, "format": 3}, rank=0)
