@@ -184,6 +184,16 @@ def test_the_vmap_collectives_exchange_rows_as_real_ranks_would():
         vmap(lambda x: collective.all_to_all([x[1:]]))(rows)
 
 
+def test_the_vmap_exchanges_read_the_replica_axis_where_vmap_maps_it():
+    # the stack transposed, mapped at dim 1: each replica holds the same rows as mapped at dim 0
+    rows = torch.arange(R * R * 2.0).view(R, R, 2)
+    collective = VmapCollective(R)
+    exchanges = lambda x: (collective.all_to_all([x])[0], collective.all_gather([x])[0])  # noqa: E731
+    at_0 = vmap(exchanges, in_dims=0)(rows)
+    at_1 = vmap(exchanges, in_dims=1)(rows.transpose(0, 1).contiguous())
+    assert [torch.equal(got, expected) for got, expected in zip(at_1, at_0)] == [True, True]  # all-to-all, all-gather
+
+
 CODECS = {"int8": lambda: puredist.compression.int8_blocks(8), "int4": lambda: puredist.compression.int4_blocks(8),
           "top_k": lambda: puredist.compression.top_k(0.3)}
 
