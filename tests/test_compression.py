@@ -77,6 +77,20 @@ def test_a_block_holding_fp32s_largest_values_decodes_finite_within_half_a_step(
     assert ((x.double() - decoded.double()).abs() <= big / (2 * levels) * (1 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("make, levels", [(int8_blocks, 127), (int4_blocks, 7)], ids=["int8", "int4"])
+def test_a_block_holding_a_non_finite_value_decodes_non_finite_and_the_others_as_before(make, levels, value):
+    # its scale non-finite (clamped finite, an inf decoded as levels steps of FLT_MAX / levels, its block-mates 0)
+    x = torch.arange(1.0, 13.0)
+    x[5] = value
+    codec = make(4)
+    decoded = codec.decode(codec.encode(x), 12)
+    assert not torch.isfinite(decoded[4:8]).any(), decoded
+    for start in (0, 8):  # the other blocks: within half a step of their absmax
+        block, back = x[start:start + 4], decoded[start:start + 4]
+        assert (block - back).abs().max() <= block.abs().max() / (2 * levels) * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("replicas", [2, 3, 10, 20])  # (10, 20: a sum of FLT_MAX / W rounded past FLT_MAX)
 @pytest.mark.parametrize("codec, levels", [(int8_blocks(4), 127), (int4_blocks(4), 7), (top_k(1.0), 127)],
                          ids=["int8", "int4", "topk"])

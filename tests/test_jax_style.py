@@ -227,6 +227,26 @@ def test_diloco_with_a_codec_under_vmap_equals_the_same_codec_on_a_simulated_col
     assert _max_error(ours, simulated) == 0.0
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("chunk", [1, 2], ids=["own chunk", "another's chunk"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_non_finite_value_under_vmap_makes_every_replicas_mean_non_finite(codec, chunk, value):
+    # replica 1's value in a chunk it owns (sent exact, then in phase 2's payload) or another's (phase 1's payload):
+    # where the other backends refuse it, under vmap it must reach every replica's mean (an int8 or 4-bit block
+    # scale clamped finite made it a finite 1.1e38); the same step on a SimulatedCollective refuses it
+    compressor = CODECS[codec]()
+    x = torch.randn(R, 4 * R, generator=torch.Generator().manual_seed(0))
+    x[1, 4 * chunk + 1] = value  # (chunk c: elements [4c, 4c + 4))
+    residuals = torch.zeros(R, 4 * R)
+    step = vmap(lambda a, e: tuple(t[0] for t in puredist.compression.compressed_mean(
+        [a], (e,), compressor, VmapCollective(R), context="step 0")))
+    mean, left = step(x, residuals)
+    assert [bool(torch.isfinite(m).all()) for m in mean] == [False] * R, mean
+    assert not torch.isfinite(left).all()
+    with pytest.raises(ValueError, match=r"holds inf or NaN \(this rank: inf or NaN in leaf 0\)"):
+        puredist.compression.compressed_mean([x], (residuals,), compressor, SimulatedCollective(R), context="step 0")
+
+
 def test_the_compiled_diloco_step_with_a_codec_equals_the_simulated_one():
     ours, simulated = _codec_runs(CODECS["int4"](), 4, compiled=True)
     assert _max_error(ours, simulated) == 0.0

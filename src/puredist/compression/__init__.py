@@ -5,7 +5,8 @@ A :class:`Compressor` turns a flat fp32 tensor into a small payload and back:
 - :func:`int8_blocks` / :func:`int4_blocks`: block-wise absmax quantization, one fp32
   scale per block of ``block_size`` values (int4: two values a byte). Per element,
   ``|x - decode(encode(x))| <= absmax(block) / (2 * levels)`` (levels: 127, 7; for
-  scales in fp32's normal range: a block of subnormals rounds coarser).
+  scales in fp32's normal range: a block of subnormals rounds coarser); a block holding
+  an inf or NaN has a non-finite scale, so decodes non-finite.
 - :func:`top_k`: the ``ceil(fraction * n)`` values of largest magnitude and their
   indices (int32); the rest are sent as zeros.
 
