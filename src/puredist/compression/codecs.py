@@ -25,7 +25,9 @@ class Compressor(NamedTuple):
         name: what it is, with its settings (part of the rank check).
         encode: ``encode(x) -> payload`` for a 1-D fp32 tensor; the payload's tensor
             shapes depend only on ``x.numel()``.
-        decode: ``decode(payload, numel) -> x'``, a 1-D fp32 tensor.
+        decode: ``decode(payload, numel) -> x'``, a 1-D fp32 tensor; non-finite
+            somewhere where the payload's floating-point tensors are NaN (how a chunk's
+            owner refuses, :mod:`puredist.compression.phases`).
     """
 
     name: str
