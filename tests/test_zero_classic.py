@@ -446,7 +446,7 @@ def _bad_additions_and_targets(rank, world_size):
     dense.grad = torch.ones(4)
     zero.step()
     for to in (world_size, -1):  # refused before any collective, on every rank
-        with pytest.raises(ValueError, match=rf"Arg ``to`` must be a rank of the group, in \[0, 2\), got {to}"):
+        with pytest.raises(ValueError, match=rf"Arg ``to`` must be an int in \[0, 2\) \(a rank of the group\), got {to}"):
             zero.consolidate_state_dict(to=to)
     zero.consolidate_state_dict(to=0)
     overlapped = ZeroRedundancyOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1,

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._validation import Rule, as_int, check
+from puredist._validation import BELOW, as_int, check
 from puredist.classic._torch_state import check_loadable
 from puredist.collectives import DistributedCollective
 from puredist.sharding import ZeroPlan
@@ -23,10 +23,6 @@ NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call "
     "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
 )
-
-_RANK = Rule(lambda v, b: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < b["stop"], ValueError,
-             "Arg ``{arg}`` must be a rank of the group, in [0, {stop}), got {value!r}.")
-
 
 _NOT_SETTINGS = ("params", "param_names")
 """Param-group keys that list parameters: the local optimizer's hold this rank's only."""
@@ -49,7 +45,7 @@ def gathered_state(collective: DistributedCollective, plan: ZeroPlan, iteration:
             consolidates) would gather states of different sizes.
     """
     to = as_int(to)  # (numpy's ints too, as torch takes them)
-    check("to", to, _RANK, stop=collective.world_size)
+    check("to", to, BELOW, stop=collective.world_size, where=" (a rank of the group)")
     collective.check_same_on_all_ranks(
         params, context=f"plan {plan.digest()} step {iteration} consolidate to {to}",
         what="ZeroRedundancyOptimizer.consolidate_state_dict",
