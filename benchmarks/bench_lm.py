@@ -4,8 +4,10 @@ Runs ``python -m puredist demo --task lm`` once per period ``H`` of :data:`GRID`
 workers, the same data, steps and seed in every run; DDP in the first), then writes
 into the output folder (default ``out/bench-lm``):
 
-- ``H<period>/results.json``: each demo run's own report (kept: a rerun skips the
-  periods already measured, so an interrupted study resumes);
+- ``H<period>/results.json``: each demo run's own report, and ``launch.json`` beside it
+  (the run's whole setup, its command and wall time): a rerun keeps a report measured
+  with the same setup, so an interrupted study resumes, and measures again where the
+  setup differs (other ``--steps``, algorithms, options);
 - ``study.json``: per configuration its algorithm, ``H``, payload, final held-out loss,
   bytes sent per worker, and the ratios of both to DDP's; the study's wall time;
 - ``study.md``: that table; ``study.png``: held-out loss against bytes sent per worker
@@ -14,18 +16,25 @@ into the output folder (default ``out/bench-lm``):
 ``make bench-lm`` runs it; ``--steps`` and ``--grid`` change the study (e.g.
 ``--grid 16:diloco,diloco_int4 64:diloco_int4``).
 
+On Ctrl-C (or SIGINT, SIGTERM, SIGHUP to this script) the demo running is interrupted
+once and waited for, so that it cleans up after itself (a ``--link`` study removes its
+network namespaces); a second Ctrl-C stops the wait, not the demo.
+
 This script must not train: the demo's workers do, and it reads their reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 GRID = (
     (80, ("ddp", "diloco_int4", "diloco_int8"), ()),
@@ -52,27 +61,62 @@ def _label(period: int, options: tuple[str, ...]) -> str:
     return "-".join([f"H{period}", *(o.lstrip("-") for o in options)])
 
 
+def _setup(period: int, algorithms: tuple[str, ...], options: tuple[str, ...], steps: int, extra: list[str]) -> list:
+    """The demo's options for one run of the study but its output folder: the whole
+    setup that a kept report is keyed by."""
+    return ["--task", "lm", "--world-size", "4", "--steps", str(steps), "--sync-every", str(period),
+            "--algorithms", ",".join(algorithms), *extra, *options]
+
+
+def run_demo(command: list[str]) -> None:
+    """Run the demo ``command`` to its end (``CalledProcessError`` if it fails), in a
+    process group of its own: an interrupt of this script (SIGINT, SIGTERM, SIGHUP)
+    reaches it once, forwarded here, and Ctrl-C is passed on only once the demo has
+    exited, its own cleanup done (``subprocess.run`` killed it 0.25 s after Ctrl-C,
+    before a ``--link`` run removed its network namespaces)."""
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, process_group=0)
+    forward = {s: signal.signal(s, lambda signum, _: _signal(process, signum)) for s in _FORWARDED}
+    try:
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        _signal(process, signal.SIGINT)
+        process.wait()
+        raise
+    finally:
+        for signum, handler in forward.items():
+            signal.signal(signum, handler)
+    if returncode:
+        raise subprocess.CalledProcessError(returncode, command)
+
+
+def _signal(process: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to ``process``'s group, unless it is gone (it ended meanwhile)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
+
+
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+"""What :func:`run_demo` passes on to the demo as it comes (the demo cleans up on
+either, then exits: a failed run here)."""
+
+
 def run_period(period: int, algorithms: tuple[str, ...], options: tuple[str, ...], steps: int, output: Path,
-               extra: list[str]) -> dict:
-    """The demo's report for one ``H`` and options (read back where it was measured before)."""
+               extra: list[str], run: Callable[[list[str]], None]) -> tuple[dict, float]:
+    """The demo's report for one ``H`` and options and the run's wall time: read back
+    where a run of the same setup (:func:`_setup`) was measured before, else measured
+    by ``run(command)`` (again, where the kept report is of another setup)."""
     folder = output / _label(period, options)
-    report = folder / "results.json"
-    if not report.exists():
-        command = [sys.executable, "-m", "puredist", "demo", "--task", "lm", "--world-size", "4", "--steps", str(steps),
-                   "--sync-every", str(period), "--algorithms", ",".join(algorithms), "--output", str(folder), *extra,
-                   *options]
+    setup, launch = _setup(period, algorithms, options, steps, extra), folder / "launch.json"
+    kept = json.loads(launch.read_text()) if launch.exists() and (folder / "results.json").exists() else {}
+    if kept.get("setup") != setup:
+        launch.unlink(missing_ok=True)  # (until this run ends, the folder holds no report of this setup)
+        command = [sys.executable, "-m", "puredist", "demo", *setup, "--output", str(folder)]
         print("$", " ".join(command[1:]), flush=True)
         started = time.perf_counter()
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        (folder / "launch.json").write_text(json.dumps({"command": command[1:], "wall_s": time.perf_counter() - started}))
-    return json.loads(report.read_text())
-
-
-def launches_wall_s(output: Path) -> float | None:
-    """The measured wall time of every demo run in ``output`` (None if one is unknown)."""
-    walls = [json.loads(p.read_text())["wall_s"] if p.exists() else None
-             for p in (f / "launch.json" for f in output.iterdir() if (f / "results.json").exists())]
-    return None if None in walls else sum(walls)
+        run(command)
+        kept = {"setup": setup, "command": command[1:], "wall_s": time.perf_counter() - started}
+        launch.write_text(json.dumps(kept))
+    return json.loads((folder / "results.json").read_text()), kept["wall_s"]
 
 
 def rows(reports: dict[tuple, dict]) -> list[dict]:
@@ -134,7 +178,8 @@ def plot(table: list[dict], path: Path, title: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run: Callable[[list[str]], None] = run_demo) -> int:
+    """The study (``run``: how a demo command runs, :func:`run_demo`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps of every run (default {STEPS})")
     parser.add_argument("--grid", nargs="+", default=None, help="H:algorithm,... (default: the study's grid)")
@@ -143,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     grid = _grid(args.grid) if args.grid else GRID
     if not any("ddp" in algorithms for _, algorithms, _ in grid):
         raise SystemExit(f"error: --grid {' '.join(args.grid)}: no period runs ddp, the reference of every ratio")
-    reports = {(period, options): run_period(period, algorithms, options, args.steps, args.output, extra)
-               for period, algorithms, options in grid}
-    wall = launches_wall_s(args.output)
+    measured = {(period, options): run_period(period, algorithms, options, args.steps, args.output, extra, run)
+                for period, algorithms, options in grid}
+    reports, wall = {key: report for key, (report, _) in measured.items()}, sum(w for _, w in measured.values())
     table = rows(reports)
     (args.output / "study.md").write_text(markdown(table) + "\n")
     (args.output / "study.json").write_text(json.dumps(
@@ -153,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
           "rows": [{k: v for k, v in row.items() if k != "curve"} for row in table]}, indent=1))
     plot(table, args.output / "study.png", f"char-level GPT, 4 workers, {args.steps} steps: loss against bytes")
     print(markdown(table))
-    print(f"\nwrote {args.output / 'study.md'}, study.json and study.png "
-          + (f"(the demo runs: {wall:.0f} s)" if wall is not None else "(a run's wall time is unknown)"))
+    print(f"\nwrote {args.output / 'study.md'}, study.json and study.png (the demo runs: {wall:.0f} s)")
     return 0
 
 

@@ -81,6 +81,19 @@ def test_a_bad_collective_group_size_or_rank_is_refused_by_name():
             puredist.zero(puredist.sgd(0.1)).init([torch.ones(3)], plan=plan, rank=rank)
 
 
+def test_a_range_refuses_its_exclusive_bound_and_takes_the_last_value_below_it():
+    from torch.func import vmap
+
+    plan = puredist.plan_zero([3, 2], 2)
+    with pytest.raises(ValueError, match=r"Arg ``rank`` must be an int in \[0, 2\).*got 2"):
+        puredist.zero(puredist.sgd(0.1)).init([torch.ones(3), torch.ones(2)], plan=plan, rank=2)
+    puredist.zero(puredist.sgd(0.1)).init([torch.ones(3), torch.ones(2)], plan=plan, rank=1)
+    rows = torch.arange(6.0).view(3, 2)
+    with pytest.raises(ValueError, match=r"Arg ``src`` must be an int in \[0, 3\), got 3"):
+        vmap(lambda t: puredist.VmapCollective(3).broadcast([t], src=3)[0])(rows)
+    assert torch.equal(vmap(lambda t: puredist.VmapCollective(3).broadcast([t], src=2)[0])(rows), rows[2].expand(3, 2))
+
+
 def test_a_block_longer_than_the_values_is_one_block_of_them():
     # a block of 2**40 elements was padded to its full size on first use (an allocation of 4 TB)
     values = torch.randn(37)

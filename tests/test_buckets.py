@@ -149,3 +149,31 @@ def test_staging_and_the_errors_import_what_their_contracts_allow_and_form_no_cy
     assert not {m for m in graph["puredist.staging.plan"] if m.split(".")[0] == "puredist"}
     within = {name: {m for m in imported if m.startswith("puredist.staging.")} for name, imported in graph.items()}
     assert not cycles(within), f"import cycles through {cycles(within)}"
+
+
+def test_a_blocking_run_never_packs_a_bucket_over_one_still_in_flight():
+    """The pool's ring under uneven buckets (an fp32 tensor, then fp16 ones; a 4 KiB
+    cap: buckets of at most 2 KiB): a bucket that wraps to the ring's start must wait
+    for every bucket its span overlaps, not only the one its start falls in. The
+    collective here reads its buffer only when waited on (a backend may read it any
+    time until then) and doubles it; the oracle: every element doubled."""
+    from puredist.staging import StagingOptions, StagingPool, run_staged
+
+    class Doubles:
+        def __init__(self, buffer):
+            self.buffer = buffer
+
+        def wait(self):
+            self.buffer.mul_(2)
+            return True
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(250, generator=gen)]  # 1000 bytes: ring [0, 1024)
+    tensors += [torch.randn(1024, generator=gen).half() for _ in range(3)]  # 2 KiB each: [1024, 3072), then at 0
+    expected = [2 * t for t in tensors]
+    launched = []
+    run_staged(tensors, lambda buffer: launched.append(buffer.data_ptr()) or Doubles(buffer),
+               StagingOptions("test", bucket_cap_bytes=4096), pool=StagingPool(4096), async_op=False)
+    assert len(launched) == 4  # (the layout the test means: a bucket a tensor)
+    for i, (tensor, want) in enumerate(zip(tensors, expected)):
+        assert torch.equal(tensor, want), f"tensor {i}: {(tensor != want).sum()} elements not doubled"

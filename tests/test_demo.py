@@ -190,8 +190,20 @@ def test_bad_options_give_a_message_and_exit_2(options, message, capsys):
 def test_a_period_streaming_cannot_overlap_is_refused_before_any_worker_starts(tmp_path, capsys):
     assert cli.main(["--algorithms", "ddp,streaming", "--sync-every", "2", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--sync-every 2: streaming applies a synchronization 2 steps after it starts" in err
+    assert ("--algorithms streaming cannot run with --sync-every 2 and --warmup-steps 16 (Arg ``delay`` must be an int "
+            "in [0, 1] for sync_every=2, got 2.)") in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_period_only_streaming_cannot_run_trains_the_algorithms_asked_for(tmp_path):
+    # every algorithm's setup was built in every worker: streaming's (its delay needs --sync-every >= 3) killed a
+    # run of periodic alone with three tracebacks
+    done, runs = run_demo(tmp_path, "--sync-every", "2", "--algorithms", "periodic,diloco", "--world-size", "2",
+                          "--steps", "4", "--warmup-steps", "0", timeout=240)
+    assert list(runs) == ["periodic", "diloco"] and "Traceback" not in done.stderr
+    for algorithm in runs:  # H = 2 from the start: twice in 4 steps (the averager at counts 0 and 2: steps 1, 3)
+        synchronized = [k for k, sent in enumerate(runs[algorithm]["step_bytes"], start=1) if sent > 1024]
+        assert len(synchronized) == 2 and (algorithm != "periodic" or synchronized == [1, 3]), (algorithm, synchronized)
 
 
 def test_the_study_options_reach_the_workers_and_the_record(tmp_path):

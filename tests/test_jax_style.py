@@ -177,6 +177,16 @@ def test_the_vmap_collectives_exchange_rows_as_real_ranks_would():
         vmap(lambda x: collective.all_to_all([x[1:]]))(rows)
 
 
+def test_the_vmap_exchanges_read_the_replica_axis_where_vmap_maps_it():
+    # the stack transposed, mapped at dim 1: each replica holds the same rows as mapped at dim 0
+    rows = torch.arange(R * R * 2.0).view(R, R, 2)
+    collective = VmapCollective(R)
+    exchanges = lambda x: (collective.all_to_all([x])[0], collective.all_gather([x])[0])  # noqa: E731
+    at_0 = vmap(exchanges, in_dims=0)(rows)
+    at_1 = vmap(exchanges, in_dims=1)(rows.transpose(0, 1).contiguous())
+    assert [torch.equal(got, expected) for got, expected in zip(at_1, at_0)] == [True, True]  # all-to-all, all-gather
+
+
 CODECS = {"int8": lambda: puredist.compression.int8_blocks(8), "int4": lambda: puredist.compression.int4_blocks(8),
           "top_k": lambda: puredist.compression.top_k(0.3)}
 
@@ -208,6 +218,26 @@ def test_diloco_with_a_codec_under_vmap_equals_the_same_codec_on_a_simulated_col
     # the VmapCollective's all-to-all and all-gather against the simulated two phases on the stacked rows
     ours, simulated = _codec_runs(CODECS[codec](), 5, compiled=False)
     assert _max_error(ours, simulated) == 0.0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("chunk", [1, 2], ids=["own chunk", "another's chunk"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_non_finite_value_under_vmap_makes_every_replicas_mean_non_finite(codec, chunk, value):
+    # replica 1's value in a chunk it owns (sent exact, then in phase 2's payload) or another's (phase 1's payload):
+    # where the other backends refuse it, under vmap it must reach every replica's mean (an int8 or 4-bit block
+    # scale clamped finite made it a finite 1.1e38); the same step on a SimulatedCollective refuses it
+    compressor = CODECS[codec]()
+    x = torch.randn(R, 4 * R, generator=torch.Generator().manual_seed(0))
+    x[1, 4 * chunk + 1] = value  # (chunk c: elements [4c, 4c + 4))
+    residuals = torch.zeros(R, 4 * R)
+    step = vmap(lambda a, e: tuple(t[0] for t in puredist.compression.compressed_mean(
+        [a], (e,), compressor, VmapCollective(R), context="step 0")))
+    mean, left = step(x, residuals)
+    assert [bool(torch.isfinite(m).all()) for m in mean] == [False] * R, mean
+    assert not torch.isfinite(left).all()
+    with pytest.raises(ValueError, match=r"holds inf or NaN \(this rank: inf or NaN in leaf 0\)"):
+        puredist.compression.compressed_mean([x], (residuals,), compressor, SimulatedCollective(R), context="step 0")
 
 
 def test_the_compiled_diloco_step_with_a_codec_equals_the_simulated_one():

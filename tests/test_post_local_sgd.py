@@ -2,6 +2,7 @@
 torch's, and restarts (state_dict and torch.distributed.checkpoint) that continue
 the uninterrupted trajectory bit for bit."""
 
+import copy
 import types
 
 import pytest
@@ -300,6 +301,34 @@ def _adam_and_scalar_parameters_checkpoint(rank, world_size):
 
 def test_the_state_dict_of_adam_and_of_a_scalar_parameter():
     assert run_workers(_adam_and_scalar_parameters_checkpoint, 2) == [3, 3]
+
+
+def _a_checkpoint_missing_a_field(rank, world_size):
+    """Rank 1's checkpoint lacks Adam's ``exp_avg_sq`` of parameter 1: its step raised
+    ``KeyError`` mid-step, the peer waiting in the averaging; the load refuses it."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = classic.PostLocalSGDOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), classic.PeriodicModelAverager(period=2, warmup_steps=1))
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    if rank == 1:
+        del saved["state"][1]["exp_avg_sq"]
+    before = copy.deepcopy(optimizer.optim.state_dict()), optimizer.averager.step
+    try:
+        optimizer.load_state_dict(saved)
+    except ValueError as error:
+        after = optimizer.optim.state_dict(), optimizer.averager.step
+        unchanged = after[1] == before[1] and all(
+            torch.equal(after[0]["state"][i][k], v) for i, entry in before[0]["state"].items() for k, v in entry.items())
+        return str(error), unchanged
+    return None, None
+
+
+def test_a_checkpoint_missing_a_field_of_torchs_optimizer_is_refused_at_the_load_with_nothing_changed():
+    (loaded, _), (message, unchanged) = run_workers(_a_checkpoint_missing_a_field, 2)
+    assert loaded is None and unchanged, message
+    assert "parameter 1 lacks ['exp_avg_sq'], which Adam keeps" in message
 
 
 def _one_rank_saves_every_rank_loads(rank, world_size, momentum, folder):

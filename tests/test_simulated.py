@@ -1,6 +1,8 @@
 """Properties of averaging on the simulated backend, over random pytrees and replica
 counts, against a float64 brute-force mean."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -120,6 +122,32 @@ def test_replicas_differing_are_named_and_the_replica_groups_alone_are_no_collec
     # what the one-process backends share has no mean: refused as a collective, not a silent no-op
     with pytest.raises(TypeError, match="must be a puredist collective.*ReplicaGroups"):
         average_([same], collective=puredist.collectives.simulated.ReplicaGroups(3))
+
+
+def _middle_rank_differs(rank, world_size):
+    tensors = [torch.ones(2), torch.full((3,), 1.0 + (rank == 1))]  # rank 1 of 3 holds other values in tensor 1
+    try:
+        puredist.DistributedCollective().check_replicated(tensors, what="the copies")
+    except puredist.RankMismatchError as error:
+        return str(error)
+    return None
+
+
+def test_a_middle_rank_or_replica_differing_alone_is_refused_on_every_backend():
+    # every rank's (replica's) values compared with the first's, not only the last's: 3 of them, the middle apart
+    from torch.func import vmap
+
+    from workers import run_workers
+
+    same, differs = torch.ones(3, 2), torch.ones(3, 3)
+    differs[1, 0] = 2.0
+    pattern = r"Tensors \[1\] \(of 2\) differ between (replicas|ranks).*the copies"
+    with pytest.raises(puredist.RankMismatchError, match=pattern):
+        SimulatedCollective(3).check_replicated([same, differs], what="the copies")
+    with pytest.raises(puredist.RankMismatchError, match=pattern):
+        vmap(lambda a, b: puredist.VmapCollective(3).check_replicated([a, b], what="the copies") or a)(same, differs)
+    for message in run_workers(_middle_rank_differs, 3):
+        assert message is not None and re.search(pattern, message), message
 
 
 def test_the_simulated_backend_rejects_bad_shapes_before_writing_anything():

@@ -459,6 +459,29 @@ def test_a_rank_refusing_its_zero_input_makes_its_peers_raise_at_once(bad):
     assert seconds[0] < 5, seconds
 
 
+def _another_ranks_state(rank, world_size):
+    import time
+
+    zero = puredist.zero(puredist.adam(lr=0.1))
+    params = [torch.ones(3), torch.ones(2), torch.ones(1)]
+    plan = puredist.plan_zero([3, 2, 1], world_size)  # owners (0, 1, 1)
+    state = zero.init(params, plan=plan, rank=0)  # rank 1 given rank 0's: one state for its two parameters
+    grads = [torch.ones(3), torch.ones(2), torch.ones(1)]
+    started = time.perf_counter()
+    expected = (r"Arg ``state`` holds 1 parameter states for 2 parameter\(s\) rank 1 owns \(another rank's state\?"
+                if rank == 1 else r"rank 1: .*refused: ValueError")
+    with pytest.raises(ValueError if rank == 1 else RankMismatchError, match=expected):
+        zero.update_(params, grads, state, collective=puredist.DistributedCollective())
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+    return time.perf_counter() - started
+
+
+def test_a_zero_state_of_another_rank_is_refused_and_its_peer_raises_at_once():
+    # it raised IndexError on that rank alone, outside the refusal its peers learn: they waited in the rank check
+    seconds = run_workers(_another_ranks_state, 2, gloo_timeout=20, timeout=40)
+    assert seconds[0] < 5, seconds
+
+
 @pytest.mark.parametrize("owners", [(0, 2), (0, -1), (0, "1")])
 def test_a_plan_naming_a_rank_outside_its_world_is_refused_by_name(owners):
     plan = puredist.ZeroPlan(2, owners)

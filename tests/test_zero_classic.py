@@ -2,6 +2,7 @@
 against torch's ZeroRedundancyOptimizer and the plain optimizer, checkpoints,
 memory per rank, long runs, and bad input."""
 
+import copy
 import io
 
 import pytest
@@ -372,10 +373,23 @@ def _bad_loads(rank, world_size):
         zero.load_state_dict(sgd.state_dict())
     adam = torch.optim.Adam(model.parameters(), lr=0.5)
     adam.step()
-    wrong = adam.state_dict()
+    wrong = copy.deepcopy(adam.state_dict())
     wrong["state"][1]["exp_avg"] = torch.zeros(7)
     with pytest.raises(ValueError, match=r"exp_avg.*parameter 1 has shape \(7,\), the parameter \(3,\)"):
         zero.load_state_dict(wrong)
+    # a field missing: the owner raised KeyError at the next step while its peer waited out the timeout
+    missing = copy.deepcopy(adam.state_dict())  # (torch's state_dict holds the optimizer's own entries)
+    del missing["state"][1]["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"parameter 1 lacks \['exp_avg_sq'\], which Adam keeps for every parameter"):
+        zero.load_state_dict(missing)
+    amsgrad = torch.optim.Adam(model.parameters(), lr=0.5, amsgrad=True)
+    amsgrad.step()
+    missing = copy.deepcopy(amsgrad.state_dict())
+    del missing["state"][0]["max_exp_avg_sq"]  # kept with amsgrad only: without it, the same entry loads
+    with pytest.raises(ValueError, match=r"parameter 0 lacks \['max_exp_avg_sq'\]"):
+        zero.load_state_dict(missing)
+    missing["param_groups"][0]["amsgrad"] = False
+    ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1).load_state_dict(missing)
     # nothing changed: the learning rate is still this optimizer's, the state still fresh
     assert zero.param_groups[0]["lr"] == 0.1
     assert not zero.optim.state
@@ -432,7 +446,7 @@ def _bad_additions_and_targets(rank, world_size):
     dense.grad = torch.ones(4)
     zero.step()
     for to in (world_size, -1):  # refused before any collective, on every rank
-        with pytest.raises(ValueError, match=rf"Arg ``to`` must be a rank of the group, in \[0, 2\), got {to}"):
+        with pytest.raises(ValueError, match=rf"Arg ``to`` must be an int in \[0, 2\) \(a rank of the group\), got {to}"):
             zero.consolidate_state_dict(to=to)
     zero.consolidate_state_dict(to=0)
     overlapped = ZeroRedundancyOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1,

@@ -19,7 +19,7 @@ leaves and their fp32 residuals (:func:`check_float_leaves`, :func:`check_residu
 an optimizer's states and gradients, its parameters (:func:`check_fits`,
 :func:`check_state_count`); an outer state, the parameters it was made for
 (:func:`check_params_fit`); a saved state entry, its parameter
-(:func:`check_saved_entry`). Callers pass what they know (a field, the copies, a
+(:func:`check_saved_entries`). Callers pass what they know (a field, the copies, a
 table): this module imports nothing of the optimizers, collectives or transforms.
 """
 
@@ -428,21 +428,23 @@ def _vmap_hint(leaves: Sequence[torch.Tensor], copies: Sequence[torch.Tensor], i
 _FOREIGN_FIELDS = Rule(lambda v, b: not v, ValueError,  # v: the fields of a saved entry its optimizer does not keep
                        "Arg ``{arg}``: the state of parameter {index} has {value}, which {name} does not keep ({kept}): "
                        "a checkpoint of another optimizer?")
+_MISSING_FIELDS = Rule(lambda v, b: not v, ValueError, "Arg ``{arg}``: the state of parameter {index} lacks {value}, "
+                       "which {name} keeps for every parameter it stepped (its group's settings): an edited checkpoint?")
 _FIELD_SHAPE = Rule(lambda v, b: v is None, ValueError,  # v: (field, its shape) of the first misshapen tensor field
                     "Arg ``{arg}``: ``{value[0]}`` of parameter {index} has shape {value[1]}, the parameter {shape}.")
 
 
-def check_saved_entry(entry: dict, param: torch.Tensor, index: int, fields: tuple[frozenset, frozenset] | None,
-                      name: str, *, arg: str = "state_dict") -> None:
-    """Raise ``ValueError`` unless ``entry`` (parameter ``index``'s saved state, in the
-    argument ``arg``) can be a state of the optimizer ``name`` for ``param``, where its
-    ``fields`` are known (those shaped like the parameter, the scalars; ``None``: not
-    checked): it holds no other field, and each tensor of the first is shaped as ``param``."""
-    if fields is None:
-        return
-    shaped, scalars = fields
-    check(arg, sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index, name=name,
-          kept=sorted(shaped | scalars))
-    misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
-                 if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
-    check(arg, next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))
+def check_saved_entries(entries: Sequence[tuple[dict, torch.Tensor, tuple[frozenset, ...]]], name: str, *,
+                        arg: str = "state_dict") -> None:
+    """Raise ``ValueError`` unless each of ``entries``, ``(saved state, parameter, fields)``
+    of parameter ``i`` (in the argument ``arg``), can be a state of the optimizer ``name``:
+    its ``fields`` are those shaped like the parameter, the scalars, and those a stepped
+    parameter's state holds all of; it has no other, lacks none of the last (but empty: not
+    stepped yet), and each tensor of the first is shaped as the parameter."""
+    for index, (entry, param, (shaped, scalars, kept)) in enumerate(entries):
+        check(arg, sorted(set(entry) - shaped - scalars), _FOREIGN_FIELDS, index=index, name=name,
+              kept=sorted(shaped | scalars))
+        check(arg, sorted(kept - set(entry)) if entry else [], _MISSING_FIELDS, index=index, name=name)
+        misshapen = ((f, tuple(entry[f].shape)) for f in shaped & set(entry)
+                     if isinstance(entry[f], torch.Tensor) and entry[f].shape != param.shape)
+        check(arg, next(misshapen, None), _FIELD_SHAPE, index=index, shape=tuple(param.shape))

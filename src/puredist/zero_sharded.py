@@ -51,7 +51,7 @@ from puredist.optim import Optimizer, clone_states
 from puredist.sharding import ZeroPlan
 from puredist._bound import bound
 from puredist._docs import fields_documented
-from puredist._validation import BELOW, INSTANCE, check
+from puredist._validation import BELOW, HOLDS, INSTANCE, check
 
 
 @fields_documented
@@ -213,13 +213,19 @@ def _step_inputs(params, grads, state: ZeroState, collective):
 def _check_state_fits(state: ZeroState, leaves: list, collective, every: str | None) -> None:
     """Raise ``ValueError`` unless ``state``'s plan shards over the collective's ranks
     and, where one process steps every rank (``every`` says how: simulated, under
-    ``vmap``), the state holds every parameter's (``init(..., rank=None)``'s)."""
+    ``vmap``), the state holds every parameter's (``init(..., rank=None)``'s), else one
+    state per parameter this rank owns (another rank's state, loaded by mistake, raised
+    ``IndexError`` on this rank alone while its peers waited in the rank check)."""
     if state.plan.world_size != collective.world_size or (every and len(state.owned) != len(leaves)):
         raise ValueError(
             f"Arg ``state`` does not fit: its plan shards over {state.plan.world_size} ranks, the collective has "
             f"{collective.world_size}" + (f"; {every} needs the state of every parameter ({len(leaves)}, from "
                                           f"init(..., rank=None)), got {len(state.owned)}" if every else "") + "."
         )
+    if not every:
+        check("state", len(state.owned), HOLDS, what="parameter states", count=len(state.plan.owned_by(collective.rank)),
+              per=f"parameter(s) rank {collective.rank} owns", where=f" (another rank's state? init(..., rank="
+              f"{collective.rank}) makes this rank's). Nothing was stepped")
 
 
 def _step_simulated(optimizer: Optimizer, leaves, grad_leaves, state: ZeroState, indices) -> ZeroState:

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from puredist._inputs import check_saved_entry
-from puredist._validation import Rule, as_int, check
+from puredist._validation import BELOW, as_int, check
+from puredist.classic._torch_state import check_loadable
 from puredist.collectives import DistributedCollective
 from puredist.sharding import ZeroPlan
 
@@ -23,32 +23,6 @@ NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call "
     "`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the global state."
 )
-
-_KNOWN_STATE: dict[type, tuple[frozenset[str], frozenset[str]]] = {
-    # class: (state fields shaped like the parameter, scalar state fields)
-    torch.optim.SGD: (frozenset({"momentum_buffer"}), frozenset()),
-    torch.optim.Adam: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
-    torch.optim.AdamW: (frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), frozenset({"step"})),
-    torch.optim.Adagrad: (frozenset({"sum"}), frozenset({"step"})),
-    torch.optim.Adadelta: (frozenset({"square_avg", "acc_delta"}), frozenset({"step"})),
-    torch.optim.RMSprop: (frozenset({"square_avg", "momentum_buffer", "grad_avg"}), frozenset({"step"})),
-    torch.optim.Rprop: (frozenset({"prev", "step_size"}), frozenset({"step"})),
-    torch.optim.Adamax: (frozenset({"exp_avg", "exp_inf"}), frozenset({"step"})),
-    torch.optim.NAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step", "mu_product"})),
-    torch.optim.RAdam: (frozenset({"exp_avg", "exp_avg_sq"}), frozenset({"step"})),
-}
-"""Per-parameter state layouts of torch's optimizers, to recognise a checkpoint of
-another optimizer at load. Subclasses and other optimizers are not checked by field."""
-
-
-_RANK = Rule(lambda v, b: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < b["stop"], ValueError,
-             "Arg ``{arg}`` must be a rank of the group, in [0, {stop}), got {value!r}.")
-_GROUPS = (  # v: (saved param groups, this optimizer's); torch's messages
-    Rule(lambda v, b: len(v[0]) == len(v[1]), ValueError, "loaded state dict has a different number of parameter groups"),
-    Rule(lambda v, b: all(len(s["params"]) == len(g["params"]) for s, g in zip(*v)), ValueError,
-         "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"),
-)
-
 
 _NOT_SETTINGS = ("params", "param_names")
 """Param-group keys that list parameters: the local optimizer's hold this rank's only."""
@@ -71,7 +45,7 @@ def gathered_state(collective: DistributedCollective, plan: ZeroPlan, iteration:
             consolidates) would gather states of different sizes.
     """
     to = as_int(to)  # (numpy's ints too, as torch takes them)
-    check("to", to, _RANK, stop=collective.world_size)
+    check("to", to, BELOW, stop=collective.world_size, where=" (a rank of the group)")
     collective.check_same_on_all_ranks(
         params, context=f"plan {plan.digest()} step {iteration} consolidate to {to}",
         what="ZeroRedundancyOptimizer.consolidate_state_dict",
@@ -110,18 +84,13 @@ def local_share(state_dict: dict[str, Any], param_groups: Sequence[dict[str, Any
     tensor shared with ``state_dict``), and each group's saved settings.
 
     Raises:
-        ValueError: the groups differ in number or size from ``param_groups``; a
-            saved entry does not fit its parameter (:func:`~puredist._inputs.check_saved_entry`),
-            checked for every parameter, owned or not, so every rank decides alike.
+        ValueError: ``state_dict`` cannot be loaded (``puredist.classic._torch_state.check_loadable``:
+            its groups, and every saved entry, owned or not, so every rank decides alike).
     """
+    check_loadable(state_dict, param_groups, optimizer_class)
     saved_groups = state_dict["param_groups"]
-    check("state_dict", (saved_groups, param_groups), *_GROUPS)
     saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
-    params = [p for group in param_groups for p in group["params"]]
     group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
-    for index, param in enumerate(params):  # every entry, owned or not: every rank decides alike
-        check_saved_entry(state_dict["state"].get(saved_ids[index]) or {}, param, index,
-                          _KNOWN_STATE.get(optimizer_class), optimizer_class.__name__)
     local_state, local_groups, next_id = {}, [], 0
     for g, saved in enumerate(saved_groups):
         in_group = [i for i in owned if group_of[i] == g]

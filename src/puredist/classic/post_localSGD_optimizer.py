@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from puredist._consistency import check_loaded_own, tensors_digest
+from puredist.classic._torch_state import check_loadable
 from puredist.classic.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -175,6 +176,13 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         docstring), the next :meth:`step` checks, on every rank of the averager's
         group, that each rank loaded its own state and holds the parameters saved
         with it.
+
+        Raises:
+            ValueError: the local optimizer cannot load ``state_dict``: groups of
+                other sizes (torch's messages), or, for one of torch's optimizers, a
+                saved parameter state with a field it does not keep, lacking one it
+                keeps (its step would raise ``KeyError`` mid-step, the peers waiting
+                in the averaging), or shaped unlike the parameter. Nothing changed.
         """
         verdict = self._verdict(state_dict)
         step = _saved_averager_step(state_dict)
@@ -183,6 +191,7 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
             {k: v for k, v in group.items() if k != AVERAGER_STEP_KEY and not k.startswith(LOCAL_DIGEST_KEY)}
             for group in state_dict["param_groups"]
         ]
+        check_loadable(inner, self.optim.param_groups, type(self.optim))
         self.optim.load_state_dict(inner)
         if step is None:
             warnings.warn(

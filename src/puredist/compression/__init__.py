@@ -5,7 +5,8 @@ A :class:`Compressor` turns a flat fp32 tensor into a small payload and back:
 - :func:`int8_blocks` / :func:`int4_blocks`: block-wise absmax quantization, one fp32
   scale per block of ``block_size`` values (int4: two values a byte). Per element,
   ``|x - decode(encode(x))| <= absmax(block) / (2 * levels)`` (levels: 127, 7; for
-  scales in fp32's normal range: a block of subnormals rounds coarser).
+  scales in fp32's normal range: a block of subnormals rounds coarser); a block holding
+  an inf or NaN has a non-finite scale, so decodes non-finite.
 - :func:`top_k`: the ``ceil(fraction * n)`` values of largest magnitude and their
   indices (int32); the rest are sent as zeros.
 
@@ -23,12 +24,14 @@ it into ``W`` equal chunks; rank ``c`` owns chunk ``c``.
 What a rank's chunks lost in phase 1 is its next residual there; what ``m_c`` lost in
 phase 2, times ``W``, is the owner's next residual on chunk ``c`` (which it sends exact
 next time). So the result is ``(1/W) sum_r (x_r + e_r - e_r')`` and error feedback
-telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. The one
-exception is at fp32's edge: the owner's residual is computed in fp64 and rounded to
-fp32 saturating at ``±FLT_MAX``, so that finite inputs leave finite residuals; where ``W``
-times what phase 2 lost exceeds that (a dropped mean entry above ``FLT_MAX / W``, as
-top-k can drop), the excess is lost. The
-residuals are the state (checkpoint them with the rest). All of this is in fp32: leaves
+telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. At fp32's
+edge it would not: the owner's residual is computed in fp64 and rounded to fp32 once,
+and where ``W`` times what phase 2 lost exceeds fp32's largest value (a dropped mean
+entry above ``FLT_MAX / W``, as top-k can drop; half a step of a block near fp32's
+largest, from ``W = 15`` for 4-bit values, 255 for int8) the owner marks its phase-2
+payload (NaN in its floating-point tensors), and every rank refuses the step
+(``ValueError``, nothing changed; under ``vmap`` the means are non-finite there, as for
+an inf given). The residuals are the state (checkpoint them with the rest). All of this is in fp32: leaves
 of other float dtypes enter as fp32 and their means are cast back, so what that cast
 loses (a 16-bit leaf's rounding, an fp64 leaf's digits beyond fp32's) is outside the
 feedback.

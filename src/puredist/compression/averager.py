@@ -203,7 +203,7 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
         raise_non_finite([f"this rank: {where}"], context)
     if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
         return rows[0], torch.zeros_like(rows)
-    return two_phase_mean(rows, compressor, collective, simulated, leaves)
+    return two_phase_mean(rows, compressor, collective, simulated, leaves, context)
 
 
 def _outputs(mean: torch.Tensor, left: torch.Tensor, leaves, given, residuals, count: int):

@@ -25,7 +25,9 @@ class Compressor(NamedTuple):
         name: what it is, with its settings (part of the rank check).
         encode: ``encode(x) -> payload`` for a 1-D fp32 tensor; the payload's tensor
             shapes depend only on ``x.numel()``.
-        decode: ``decode(payload, numel) -> x'``, a 1-D fp32 tensor.
+        decode: ``decode(payload, numel) -> x'``, a 1-D fp32 tensor; non-finite
+            somewhere where the payload's floating-point tensors are NaN (how a chunk's
+            owner refuses, :mod:`puredist.compression.phases`).
     """
 
     name: str
@@ -44,9 +46,13 @@ def _blocks(x: torch.Tensor, block_size: int, multiple: int) -> tuple[torch.Tens
 
 def _quantized(x: torch.Tensor, block_size: int, levels: int, largest: float,
                multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integers in ``[-levels, levels]`` per block and the fp32 scales."""
+    """Integers in ``[-levels, levels]`` per block and the fp32 scales: a block holding
+    an inf or NaN has a non-finite scale, so that it decodes non-finite (clamped to
+    ``largest``, an inf became ``levels`` steps and its block-mates 0: a finite mean
+    hid it)."""
     padded, absmax = _blocks(x, block_size, multiple)
-    scales = (absmax / levels).clamp(max=largest)  # (largest: _largest_scale(levels); absmax = FLT_MAX: 127 * scale is inf)
+    # (largest: _largest_scale(levels); absmax = FLT_MAX: 127 * scale is inf)
+    scales = torch.where(torch.isfinite(absmax), (absmax / levels).clamp(max=largest), absmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(padded / safe).clamp(-levels, levels), scales
 

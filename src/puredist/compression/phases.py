@@ -86,7 +86,8 @@ def raise_non_finite(where: list[str], context: str) -> None:
 
 
 def two_phase_mean(
-    rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool, leaves: list[torch.Tensor]
+    rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool, leaves: list[torch.Tensor],
+    context: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, left)`` of ``rows`` (``[count, numel]``, one row per simulated rank or
     this rank's) by the module's two phases: the flat mean every rank gets, and each
@@ -117,8 +118,7 @@ def two_phase_mean(
             [kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)]
         )]
     # phase 2: every owner's mean, compressed, to everybody
-    final_payloads = [compressor.encode(m) for m in means]
-    finals = [compressor.decode(p, chunk) for p in final_payloads]
+    final_payloads, finals, owed = zip(*(_phase_two(m, compressor, world) for m in means))
     if simulated:
         decoded = finals
     else:
@@ -127,10 +127,13 @@ def two_phase_mean(
         except RuntimeError as error:
             raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather (phase 2)") from error
         decoded = [finals[0] if c == collective.rank else compressor.decode(p, chunk) for c, p in enumerate(gathered)]
+    mean = torch.cat(decoded)
+    if not bool(torch.isfinite(mean).all()):  # (finite rows: only an owner's refusal makes it non-finite)
+        raise_unheld([c for c, d in enumerate(decoded) if not torch.isfinite(d).all()], chunk, numel, world, context)
     left = chunks - kept
     for row, owner in enumerate(owners):  # the owner sends its chunk exact next time, with what phase 2 lost
-        left[row, owner] = _owner_residual(means[row], finals[row], world)
-    return torch.cat(decoded)[:numel], left.reshape(count, -1)[:, :numel]
+        left[row, owner] = owed[row]
+    return mean[:numel], left.reshape(count, -1)[:, :numel]
 
 
 def exchanged_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +141,9 @@ def exchanged_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     replica axis (:class:`~puredist.VmapCollective`'s ``all_to_all`` and
     ``all_gather``). The replica's index is a tensor there, so what depends on it is a
     selection, not a branch: every chunk is encoded (its own too, never read). The
-    values are not read on the host: an inf or NaN is not refused here but spreads
-    into the means and the residuals (the same step on a SimulatedCollective, or a
-    real rank, refuses it)."""
+    values are not read on the host: an inf or NaN, or an owner's residual that fp32
+    cannot hold, is not refused here but spreads into the means and the residuals
+    (the same step on a SimulatedCollective, or a real rank, refuses it)."""
     world, numel = collective.world_size, rows.shape[1]
     chunk = -(-numel // world)
     chunks = torch.nn.functional.pad(rows[0], (0, chunk * world - numel)).view(world, chunk)
@@ -152,21 +155,42 @@ def exchanged_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     own = chunks.index_select(0, index.view(1))[0]
     mean = _mean_in_rank_order([torch.where(mine[q], own, compressor.decode(tuple(t[q] for t in received), chunk))
                                 for q in range(world)])
-    final_payload = compressor.encode(mean)
+    final_payload, _, owed = _phase_two(mean, compressor, world)
     gathered = collective.all_gather(list(final_payload))  # row c: owner c's
     decoded = torch.cat([compressor.decode(tuple(t[c] for t in gathered), chunk) for c in range(world)])
-    final = compressor.decode(final_payload, chunk)
-    left = torch.where(mine, _owner_residual(mean, final, world), chunks - kept)
+    left = torch.where(mine, owed, chunks - kept)
     return decoded[:numel], left.reshape(1, -1)[:, :numel]
 
 
-_FLT_MAX = torch.finfo(torch.float32).max
+def _phase_two(mean: torch.Tensor, compressor: Compressor, world: int) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+    """An owner's phase-2 payload of its ``mean`` (a chunk), that payload decoded, and
+    the owner's next residual there: ``world * (mean - decoded)``, what phase 2 lost,
+    scaled to be sent exact next time (computed in fp64, rounded to fp32 once). Where
+    fp32 cannot hold it (a loss above ``FLT_MAX / world``: top-k dropping a mean near
+    fp32's largest, a half step of a 4-bit block at 15 ranks or more), error feedback
+    cannot carry what was lost: the payload's floating-point tensors are NaN, so that
+    every rank decodes a non-finite chunk (the owner's refusal, told to every rank
+    without a collective of its own). No value is read on the host here."""
+    payload = compressor.encode(mean)
+    owed = (world * (mean.double() - compressor.decode(payload, mean.numel()).double())).float()
+    held = torch.isfinite(owed).all()
+    payload = tuple(torch.where(held, t, torch.nan) if t.is_floating_point() else t for t in payload)
+    return payload, compressor.decode(payload, mean.numel()), owed
 
 
-def _owner_residual(mean: torch.Tensor, final: torch.Tensor, world: int) -> torch.Tensor:
-    """``world * (mean - final)``: what phase 2 lost of an owner's mean, scaled to be
-    sent exact next time. Computed in fp64 and rounded to fp32 once, saturating at
-    ``±FLT_MAX``: in fp32 a loss above ``FLT_MAX / world`` (top-k dropping a mean near
-    fp32's largest) gave ``inf``, which every later call refused, the mass lost all
-    the same; saturated, the residual stays finite and sends what fp32 can hold."""
-    return (world * (mean.double() - final.double())).clamp(-_FLT_MAX, _FLT_MAX).float()
+def raise_unheld(chunks: list[int], size: int, numel: int, world: int, context: str) -> None:
+    """Every rank's refusal of a step whose owners of ``chunks`` (of ``size`` elements
+    of the ``numel`` in the flat row) could not hold their residual in fp32 (see
+    :func:`_phase_two`)."""
+    raise ValueError(
+        f"Arg ``params`` (plus the error-feedback residuals): on chunk(s) {_named(chunks, size, numel)} of the flat "
+        f"row, {world} times what the compressed mean lost exceeds fp32's largest value, so error feedback cannot "
+        f"carry it (values this near fp32's largest). Nothing was changed, on any rank, and the state passed in is "
+        f"unchanged. Scale these values down, or average them uncompressed. {context}"
+    )
+
+
+def _named(chunks: list[int], size: int, numel: int) -> str:
+    """The first three of ``chunks`` (of ``size`` elements of ``numel``) with their elements, and how many more."""
+    named = ", ".join(f"{c} (elements {c * size} to {min((c + 1) * size, numel) - 1})" for c in chunks[:3])
+    return named + (f" and {len(chunks) - 3} more" if len(chunks) > 3 else "")

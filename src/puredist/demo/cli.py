@@ -23,8 +23,8 @@ from typing import Sequence
 
 from puredist.demo import links
 from puredist.demo.fault_tolerant import FAULT_TOLERANT
-from puredist.demo.knobs import KNOB_OPTIONS, Knobs, check_knobs
-from puredist.demo.training import ALGORITHMS, STREAMING_DELAY, TASKS
+from puredist.demo.knobs import KNOB_OPTIONS, Knobs, knobs_task
+from puredist.demo.training import ALGORITHMS, TASKS, refusal
 
 EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
 DEFAULT_FAULT_TOLERANT = ("diloco_ft",)
@@ -144,7 +144,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
     import torch
 
     from puredist import __version__
-    from puredist.demo.knobs import block_size, knobs_task, outer_options
+    from puredist.demo.knobs import block_size, outer_options
     from puredist.demo.training import STREAMING_DELAY, STREAMING_FRAGMENTS
 
     knobs = _knobs(args)
@@ -308,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
     if args.link and args.algorithms is None:
         args.algorithms = list(ALGORITHMS)
-    problem = (_choose_algorithms(args) or check_knobs(_knobs(args), args.algorithms, STREAMING_DELAY)
+    knobs = _knobs(args)
+    problem = (_choose_algorithms(args) or refusal(knobs_task(task, knobs), knobs, args.world_size, args.algorithms)
                or (_link_problem(args) if args.link else None))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

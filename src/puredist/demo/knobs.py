@@ -5,8 +5,10 @@ the inner and outer learning rates, the outer momentum and the codec's block siz
 default); :func:`knobs_task` applies the inner ones to a :class:`~puredist.demo.task.Task`
 (every algorithm reads ``H``, the warm-up and the inner optimizer from it: DDP and
 ZeRO too, so that a study changes one thing at a time) and :func:`outer_options`
-gives the outer optimizer's. The checks (:func:`check_knobs`) run in the launcher,
-before any worker starts.
+gives the outer optimizer's. The ranges of single values are argparse's (the types
+of :data:`KNOB_OPTIONS`); what depends on several options is checked where it is
+decided, by building the algorithms asked for in the launcher, before any worker
+starts (:func:`puredist.demo.training.refusal`).
 
 This module must not train: it only says what the workers train with.
 """
@@ -65,16 +67,6 @@ def outer_options(knobs: Knobs) -> dict:
 def block_size(knobs: Knobs) -> int:
     """The int8 and 4-bit codecs' values per scale: the knob, else :data:`BLOCK_SIZE`."""
     return BLOCK_SIZE if knobs.block_size is None else knobs.block_size
-
-
-def check_knobs(knobs: Knobs, algorithms: list[str], streaming_delay: int) -> str | None:
-    """Why these knobs cannot run with ``algorithms`` (one line naming the option
-    and its value), or None. The ranges of single values are argparse's (the types of
-    :data:`KNOB_OPTIONS`); this checks what depends on another option."""
-    if "streaming" in algorithms and knobs.sync_every is not None and knobs.sync_every <= streaming_delay:
-        return (f"--sync-every {knobs.sync_every}: streaming applies a synchronization {streaming_delay} steps after "
-                f"it starts, within the period: use --sync-every > {streaming_delay} or leave streaming out")
-    return None
 
 
 def _ranged(kind: type, low: float, high: float | None, *, low_open: bool = False, even: bool = False, what: str):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -154,28 +155,56 @@ def job_task(config: dict[str, Any]) -> tuple[Task, Knobs]:
     return knobs_task(TASKS[config["task"]], knobs), knobs
 
 
-def _setups(task: Task, knobs: Knobs, world_size: int, collective) -> dict[str, Callable]:
-    def diloco(**options):
-        outer = puredist.outer_optimizer(
-            puredist.sgd(**outer_options(knobs)), sync_every=task.period, warmup_steps=task.warmup_steps, **options
-        )
-        return _setup_functional(outer, collective)
+_DILOCO_OPTIONS: dict[str, Callable[[Knobs], dict[str, Any]]] = {
+    "diloco": lambda knobs: {"comm_dtype": torch.bfloat16},
+    "streaming": lambda knobs: {"comm_dtype": torch.bfloat16, "fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
+    "diloco_int8": lambda knobs: {"compressor": puredist.int8_blocks(block_size(knobs))},
+    "diloco_int4": lambda knobs: {"compressor": puredist.int4_blocks(block_size(knobs))},
+    "diloco_topk": lambda knobs: {"compressor": puredist.top_k(0.01)},
+}
+"""The options of each DiLoCo variant's :func:`puredist.outer_optimizer`, besides the task's period and warm-up."""
 
-    hierarchy = hierarchy_for(world_size, task.period)
-    return {
-        "ddp": _setup_ddp,
-        "zero": _setup_zero,
-        "periodic": _setup_functional(puredist.periodic_averager(task.period, task.warmup_steps), collective),
-        "hierarchical": _setup_functional(
-            puredist.hierarchical_averager(hierarchy, task.warmup_steps),
-            puredist.DistributedCollective.with_subgroups(list(hierarchy.values())),
-        ),
-        "diloco": diloco(comm_dtype=torch.bfloat16),
-        "streaming": diloco(comm_dtype=torch.bfloat16, fragments=STREAMING_FRAGMENTS, delay=STREAMING_DELAY),
-        "diloco_int8": diloco(compressor=puredist.int8_blocks(block_size(knobs))),
-        "diloco_int4": diloco(compressor=puredist.int4_blocks(block_size(knobs))),
-        "diloco_topk": diloco(compressor=puredist.top_k(0.01)),
-    }
+
+def transform(task: Task, knobs: Knobs, world_size: int, algorithm: str):
+    """The pure averager or DiLoCo transform ``algorithm`` trains with (``None`` for
+    ``ddp`` and ``zero``: torch's classes), built, so checked by puredist's own rules:
+    ``ValueError`` or ``TypeError`` for options it cannot run with. Touches no process
+    group, so the launcher builds those of the algorithms asked for before any worker
+    starts (:func:`refusal`)."""
+    if algorithm == "periodic":
+        return puredist.periodic_averager(task.period, task.warmup_steps)
+    if algorithm == "hierarchical":
+        return puredist.hierarchical_averager(hierarchy_for(world_size, task.period), task.warmup_steps)
+    if algorithm in _DILOCO_OPTIONS:
+        return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs)), sync_every=task.period,
+                                        warmup_steps=task.warmup_steps, **_DILOCO_OPTIONS[algorithm](knobs))
+    return None
+
+
+def refusal(task: Task, knobs: Knobs, world_size: int, algorithms: list[str]) -> str | None:
+    """Why one of ``algorithms`` cannot run with these options (``task`` with ``knobs``
+    applied), in one line naming it, the options and puredist's reason; or ``None``.
+    Each algorithm's transform is built as its workers would build it (their warnings
+    are theirs to print), the others not at all."""
+    for algorithm in algorithms:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                transform(task, knobs, world_size, algorithm)
+        except (TypeError, ValueError) as error:
+            return (f"--algorithms {algorithm} cannot run with --sync-every {task.period} and --warmup-steps "
+                    f"{task.warmup_steps} ({str(error).splitlines()[0]}): change them, or leave {algorithm} out")
+    return None
+
+
+def _setup(task: Task, knobs: Knobs, world_size: int, algorithm: str, collective) -> Callable:
+    """``algorithm``'s setup, only its own built (the hierarchical averager's subgroups
+    are made, a collective of every rank, only where it runs)."""
+    if algorithm in ("ddp", "zero"):
+        return _setup_ddp if algorithm == "ddp" else _setup_zero
+    if algorithm == "hierarchical":
+        collective = puredist.DistributedCollective.with_subgroups(list(hierarchy_for(world_size, task.period).values()))
+    return _setup_functional(transform(task, knobs, world_size, algorithm), collective)
 
 
 def train(task: Task, algorithm: str, config: dict[str, Any], knobs: Knobs = Knobs()) -> dict[str, Any]:
@@ -187,7 +216,7 @@ def train(task: Task, algorithm: str, config: dict[str, Any], knobs: Knobs = Kno
     shard, test = task.load(config["seed"], rank, world_size)
     test = tuple(t.to(device) for t in test)
     collective = puredist.DistributedCollective()
-    setup = _setups(task, knobs, world_size, collective)[algorithm]
+    setup = _setup(task, knobs, world_size, algorithm, collective)
     model, step, current_params, optimizer_state = setup(
         task, task.make_model(config["seed"]).to(device), collective, world_size
     )
