@@ -12,7 +12,7 @@
   multi-tensor kernels (:func:`steps_out_of_place`).
 
 This module must not validate arguments nor keep state: it chooses, the algorithms
-(:mod:`puredist.optim.sgd`, :mod:`puredist.optim.adam`) run.
+(the modules ``puredist.optim.sgd`` and ``puredist.optim.adam``) run.
 """
 
 import functools
