@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 
 def test_the_pages_have_python_blocks_of_both_kinds():
     pages = {page for page, _ in PYTHON}
-    assert {"README.md", "docs/functional.md", "docs/sharded.md", "docs/classic.md"} <= pages
+    assert {"README.md", "docs/index.md", "docs/functional.md", "docs/sharded.md", "docs/classic.md"} <= pages
     assert LOCAL and DISTRIBUTED
 
 
@@ -123,6 +123,8 @@ def test_every_install_command_installs_from_the_clone_with_the_tested_versions(
     assert len(commands) >= 5
     for name, command in commands:
         assert re.match(r"pip install -e '\.\[([a-z,]+|{extra})\]' -c constraints\.txt", command), (name, command)
+    landing = (ROOT / "docs" / "index.md").read_text()  # the site's first page: install and quick start too
+    assert "## Install" in landing and "pip install -e" in landing and "make demo" in landing
     readme = (ROOT / "README.md").read_text()
     property_test = readme[readme.index("## A property test"):]
     assert "'.[testing]'" in property_test[:property_test.index("```python")]
