@@ -6,6 +6,7 @@ headers. A block that is not meant to run has another fence language than ``pyth
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,15 @@ def test_every_install_command_installs_from_the_clone_with_the_tested_versions(
     readme = (ROOT / "README.md").read_text()
     property_test = readme[readme.index("## A property test"):]
     assert "'.[testing]'" in property_test[:property_test.index("```python")]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_demo_installs_what_the_demo_needs_and_make_test_everything():
+    def planned(target):  # make's commands from an empty .venv, run none
+        done = subprocess.run(["make", "-n", "-B", target], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if " pip install " in line]
+
+    assert planned("demo") == ['.venv/bin/python -m pip install --quiet -e ".[demo,ft]" -c constraints.txt']
+    assert planned("test") == [".venv/bin/python -m pip install --quiet -r requirements-dev.txt"]
+    assert "-e .[test,demo]" in (ROOT / "requirements-dev.txt").read_text()  # (the demo's extras among the rest)

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "the bytes each worker sent and the optimizer state it held; then project, from the "
             "measured bytes and compute time, the time each would take to reach the first "
             "algorithm's loss over real links. Tasks: digits (an MLP on scikit-learn's handwritten "
-            "digits, SGD, H=8, ~30 s), lm (a character-level GPT on CPython's documentation, "
+            "digits, SGD, H=8, ~65 s on 2 cores), lm (a character-level GPT on CPython's documentation, "
             "AdamW, H=16, ~6 min) and lm-large (the same GPT at 19M parameters on 256-character "
             "windows: for --device cuda; seconds a step per worker on a CPU). Algorithms: ddp (gradient all-reduce every step), periodic "
             "(post-local SGD: average every H steps), hierarchical (pairs every H/4 steps, everybody "
