@@ -193,14 +193,16 @@ class _ExceptionDocumenter(_CanonicalAtHome, ExceptionDocumenter):
 class _PythonDomain(PythonDomain):
     """A reference that matches several entries of one Python object (``CollectiveError``
     as :class:`puredist.CollectiveError` and :class:`puredist.collectives.CollectiveError`)
-    goes to the shortest name; entries of different objects stay ambiguous (a warning)."""
+    goes to the shortest name; entries of different objects stay ambiguous (a warning),
+    and so do plain values (two constants may hold one interned value)."""
 
     def find_obj(self, env, modname, classname, name, type, searchmode=0):
         matches = super().find_obj(env, modname, classname, name, type, searchmode)
         kept: dict[object, tuple] = {}
         for match in sorted(matches, key=lambda match: (len(match[0]), match[0])):
             found = _imported(match[0]) if match[0].startswith("puredist.") else None
-            kept.setdefault(match[0] if found is None else id(found), match)
+            plain = found is None or isinstance(found, (int, float, str, bytes, tuple, frozenset))
+            kept.setdefault(match[0] if plain else id(found), match)
         return list(kept.values())
 
 
