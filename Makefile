@@ -1,4 +1,5 @@
-# Quick start: `make test` creates .venv, installs the pinned dev environment, runs pytest.
+# Quick start: `make demo` creates .venv with what the demo needs and runs it; `make test` installs the
+# pinned dev environment there and runs pytest.
 # the first Python 3.11 or newer found: python3.11, python3.12, python3.13, then python3
 PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; done)
@@ -8,10 +9,21 @@ export OMP_NUM_THREADS := 1
 
 .PHONY: test test-gpu gpu-check demo bench bench-links bench-lm bench-gpu install upstream docs
 
-$(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
+define NEW_VENV
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+endef
+
+# Everything (tests, docs, the demo): the pinned dev environment. It holds the demo's too.
+$(VENV)/.installed: pyproject.toml requirements-dev.txt constraints.txt
+	$(NEW_VENV)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@ $(VENV)/.demo-installed
+
+# What the demo needs only: puredist with its [demo] extra and [ft] (the diloco_ft row), the tested torch.
+$(VENV)/.demo-installed: pyproject.toml constraints.txt
+	$(NEW_VENV)
+	$(PY) -m pip install --quiet -e ".[demo,ft]" -c constraints.txt
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,7 +47,7 @@ upstream: install
 docs: install
 	$(PY) -m sphinx -b html -n -W --keep-going -E -q docs out/docs
 
-demo: install
+demo: $(VENV)/.demo-installed
 	$(PY) -m puredist demo $(ARGS)
 
 # The main job over real links (as root): each worker in its own network namespace, its egress shaped by tbf to

@@ -13,7 +13,6 @@ import time
 import warnings
 
 import torch
-import torch._dynamo
 from torch.func import functional_call, grad_and_value, vmap
 
 import puredist
@@ -33,9 +32,6 @@ def main() -> None:
     args = parser.parse_args()
     R = args.replicas
     warnings.filterwarnings("ignore", message=".*performance drop.*")  # torch's vmap fallbacks, where they run
-    # compiled, dynamo rewrites Adam's addcmul_(value=) as prims.fma, which vmap runs replica by replica (and warns
-    # from C++, past Python's filters): kept whole, it is one batched op
-    torch._dynamo.config.enable_dynamo_decompositions = False
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))

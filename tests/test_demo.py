@@ -253,7 +253,7 @@ def test_without_torchft_the_default_run_leaves_diloco_ft_out_and_asking_for_it_
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
     assert cli.main(["--algorithms", "diloco_ft", "--output", str(tmp_path)]) == 2
-    assert "needs torchft: pip install 'puredist[ft]'" in capsys.readouterr().err
+    assert "needs torchft: pip install -e '.[ft]' -c constraints.txt (in puredist's clone)" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["--output", str(tmp_path)])
     args.steps = 10
     assert cli._choose_algorithms(args) is None and "diloco_ft" not in args.algorithms
@@ -274,7 +274,8 @@ def test_missing_demo_extras_give_the_install_hint_before_anything_starts(absent
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
     assert cli.main(["--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.strip().endswith("pip install 'puredist[demo]'") and len(err.strip().splitlines()) == 1
+    assert err.strip().endswith("pip install -e '.[demo]' -c constraints.txt (in puredist's clone)")
+    assert len(err.strip().splitlines()) == 1
     assert cli.DEMO_EXTRAS[absent] in err
 
 

@@ -304,3 +304,25 @@ def test_a_state_or_parameters_passed_to_vmap_with_the_wrong_dims_are_named():
         vmap(update, in_dims=(0, None), out_dims=(0, axes))(stacked, state)
     with pytest.raises(ValueError, match=r"stacked parameters passed unmapped\? Map them \(in_dims=0\)"):
         vmap(update, in_dims=(None, axes), out_dims=(0, axes))(stacked, state)
+
+
+def test_adams_state_made_under_vmap_gives_the_compiled_steps_fused_multiply_add_a_batching_rule():
+    # compiled, Adam's addcmul_(value=)/addcdiv_(value=) become prims::fma, which torch 2.13 cannot batch: vmap
+    # would run it replica by replica and warn; after vmap(adam.init), one op on the broadcast operands, same values
+    vmap(puredist.adamw().init)({"w": torch.zeros(R, 3)})
+    from torch._inductor.inductor_prims import fma
+
+    a, b, c = torch.randn(R, 3), torch.randn(3), torch.randn(3, R)
+    fallback = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)  # no replica-by-replica loop: a missing rule raises
+    try:
+        cases = [
+            (vmap(fma, in_dims=(0, None, 1))(a, b, c), fma(a, b, c.T)),
+            (vmap(lambda x, z: fma(x, 0.5, z), in_dims=(0, 1))(a, c), fma(a, 0.5, c.T)),
+            (vmap(fma, in_dims=(None, 0, None))(b, a, b[:1]), fma(b, a, b[:1])),  # a rank-0 row of a rank-1 op
+            (vmap(fma, in_dims=(0, 0, None))(a[:, :1], a, torch.tensor(2.0)), fma(a[:, :1], a, torch.tensor(2.0))),
+        ]
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(fallback)
+    for batched, expected in cases:
+        assert torch.equal(batched, expected)

@@ -195,6 +195,29 @@ def _fp16_gradients(rank, world_size):
     return grads
 
 
+def _default_subgroup_without_cuda(rank, world_size):
+    raised = {}
+    for name, impl in (("torch", TORCH), ("puredist", PUREDIST)):
+        model = DDP(torch.nn.Linear(2, 1))
+        model.register_comm_hook(impl.PostLocalSGDState(None, None, start_localSGD_iter=1), impl.post_localSGD_hook)
+        try:
+            for _ in range(2):  # the second iteration is local: the hook makes the intra-machine group
+                model(torch.ones(1, 2)).sum().backward()
+        except Exception as error:  # (the reducer is left mid-iteration: a new model for the next)
+            raised[name] = (type(error), str(error))
+    return raised
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the default intra-machine group exists")
+def test_without_cuda_a_default_subgroup_raises_torchs_type_saying_what_to_pass():
+    for raised in run_workers(_default_subgroup_without_cuda, 2):
+        assert raised["puredist"][0] is raised["torch"][0], raised
+        assert "Default group size only takes effect when CUDA is available" in raised["torch"][1]
+        message = raised["puredist"][1]
+        assert "Default group size only takes effect when CUDA is available" in message
+        assert "dist.new_subgroups(group_size=N)" in message and "post_local_gradient_allreduce=False" in message
+
+
 def test_the_hook_divides_before_summing_so_fp16_gradients_do_not_overflow():
     for grads in run_workers(_fp16_gradients, 2):
         assert grads["puredist"] == grads["torch"] == 40000.0  # 2 x 40000 would overflow fp16

@@ -6,6 +6,7 @@ headers. A block that is not meant to run has another fence language than ``pyth
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def _env() -> dict[str, str]:
 
 def test_the_pages_have_python_blocks_of_both_kinds():
     pages = {page for page, _ in PYTHON}
-    assert {"README.md", "docs/functional.md", "docs/sharded.md", "docs/classic.md"} <= pages
+    assert {"README.md", "docs/index.md", "docs/functional.md", "docs/sharded.md", "docs/classic.md"} <= pages
     assert LOCAL and DISTRIBUTED
 
 
@@ -53,7 +54,8 @@ def test_the_readme_is_short_and_every_page_says_what_is():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 350
     assert lines.index("```python") < 120  # code early: the first example within the first screens
-    history = re.compile(r"session|sitting|this round|last round|independent review|reviewer", flags=re.I)
+    history = re.compile(r"session|sitting|this round|last round|independent review|reviewer|first design|which now|"
+                         r"now include|not yet|on this machine|this \d-core machine", flags=re.I)
     for page in PAGES:
         found = [line for line in page.read_text().splitlines() if history.search(line)]
         assert not found, (page.name, found)
@@ -112,3 +114,30 @@ def test_sample_outputs_have_the_demo_tables_headers():
     links_header = next(line for line in projection_table(_summary()).splitlines() if line.startswith("algorithm"))
     projected = [block for block in TEXT if block.startswith("PROJECTED")]
     assert len(projected) == 1 and links_header in projected[0].splitlines()
+
+
+def test_every_install_command_installs_from_the_clone_with_the_tested_versions():
+    # one story: puredist is installed from its clone, an extra at a time, at constraints.txt's versions
+    sources = [*PAGES, *sorted((ROOT / "src" / "puredist").rglob("*.py"))]
+    commands = [(path.name, command) for path in sources
+                for command in re.findall(r"pip install[^`\"\n]*", path.read_text())]
+    assert len(commands) >= 5
+    for name, command in commands:
+        assert re.match(r"pip install -e '\.\[([a-z,]+|{extra})\]' -c constraints\.txt", command), (name, command)
+    landing = (ROOT / "docs" / "index.md").read_text()  # the site's first page: install and quick start too
+    assert "## Install" in landing and "pip install -e" in landing and "make demo" in landing
+    readme = (ROOT / "README.md").read_text()
+    property_test = readme[readme.index("## A property test"):]
+    assert "'.[testing]'" in property_test[:property_test.index("```python")]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_demo_installs_what_the_demo_needs_and_make_test_everything():
+    def planned(target):  # make's commands from an empty .venv, run none
+        done = subprocess.run(["make", "-n", "-B", target], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if " pip install " in line]
+
+    assert planned("demo") == ['.venv/bin/python -m pip install --quiet -e ".[demo,ft]" -c constraints.txt']
+    assert planned("test") == [".venv/bin/python -m pip install --quiet -r requirements-dev.txt"]
+    assert "-e .[test,demo]" in (ROOT / "requirements-dev.txt").read_text()  # (the demo's extras among the rest)

@@ -137,6 +137,14 @@ EVEN = Rule(lambda v, b: v % 2 == 0, ValueError, "Arg ``{arg}`` must be even ({w
 FRACTION = Rule(lambda v, b: _is_number(v) and 0 < v <= 1, ValueError, "Arg ``{arg}`` must be in (0, 1], got {value!r}.")
 HOLDS = Rule(lambda v, b: v == b["count"], ValueError,  # ``value``: how many the argument holds
              "Arg ``{arg}`` holds {value} {what} for {count} {per}{where}.")
+INTRA_MACHINE_GROUP = Rule(  # torch's first sentence; ``cuda``: whether CUDA is available
+    lambda v, b: v is not None or b["cuda"], ValueError,
+    "Default group size only takes effect when CUDA is available. Arg ``{arg}`` of PostLocalSGDState is None: the "
+    "hook would make groups of torch.cuda.device_count() ranks, one a machine, and CUDA is not available here. On "
+    "CPU (Gloo), pass the group: make it on every rank before training, e.g. "
+    "``subgroup, _ = dist.new_subgroups(group_size=N)`` with N the ranks of one machine (a divisor of the world "
+    "size), then ``PostLocalSGDState(process_group, subgroup, start_localSGD_iter)``; or pass "
+    "``post_local_gradient_allreduce=False`` to reduce no gradient after local SGD starts.")
 
 PERIOD = (INT, POSITIVE)
 """A period, a bucket's capacity: an int ``>= 1``."""

@@ -38,6 +38,11 @@ from puredist.collectives.base import check_group_sizes
 from puredist.schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
+__all__ = [
+    "Averager", "AveragerState", "average", "average_", "averaged_tensors", "periodic_averager",
+    "periodic_averager_warning_at", "hierarchical_averager", "hierarchical_averager_warning_at",
+]
+
 
 @fields_documented
 class AveragerState(NamedTuple):

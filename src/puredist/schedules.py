@@ -24,6 +24,8 @@ from puredist._validation import (
     check_warmup_steps,
 )
 
+__all__ = ["periodic_schedule", "hierarchical_schedule"]
+
 
 def periodic_schedule(period: int, warmup_steps: int = 0) -> Callable[[int], bool]:
     """Return ``averages(step) -> bool`` for post-local SGD's periodic averaging.

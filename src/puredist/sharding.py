@@ -33,6 +33,9 @@ from puredist._validation import (
 )
 
 STRATEGIES = ("balanced", "whole_buckets", "split_buckets", "round_robin_buckets")
+"""The names of :func:`plan_zero`'s strategies (see the module docstring)."""
+
+__all__ = ["STRATEGIES", "ZeroPlan", "plan_zero", "reverse_order_buckets"]
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ Generate parameter trees and replica worlds, then check a step function on
 
 A failing example prints each tensor's shape, dtype and values (see :func:`shown`).
 
-Needs ``hypothesis`` (``pip install 'puredist[testing]'``).
+Needs ``hypothesis``: ``pip install -e '.[testing]' -c constraints.txt`` in puredist's clone.
 
 This module must not be imported by the library itself: it needs ``hypothesis``, a
 test dependency.
@@ -27,7 +27,8 @@ import torch
 try:
     from hypothesis import note, strategies as st
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("puredist.testing needs hypothesis: pip install 'puredist[testing]'") from error
+    raise ImportError("puredist.testing needs hypothesis: pip install -e '.[testing]' -c constraints.txt "
+                      "(in puredist's clone)") from error
 
 from puredist._validation import AT_LEAST_ONE, FLOAT_DTYPES, NOT_EMPTY, check, check_each
 from puredist.tree import PyTree, tree_map

@@ -53,6 +53,11 @@ from puredist._bound import bound
 from puredist._docs import fields_documented
 from puredist._validation import BELOW, HOLDS, INSTANCE, check
 
+__all__ = [
+    "Zero", "ZeroState", "zero", "init", "update_", "update", "update_subset_", "end_iteration", "mapped_update",
+    "broadcast_from_owners_", "wait_for_owners",
+]
+
 
 @fields_documented
 class ZeroState(NamedTuple):

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from puredist._validation import INTRA_MACHINE_GROUP, check
+
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
 logger = logging.getLogger(__name__)
@@ -24,11 +26,13 @@ logger = logging.getLogger(__name__)
 class PostLocalSGDState:
     """State of ``post_localSGD_hook``: all-reduce gradients over
     ``process_group`` until iteration ``start_localSGD_iter``, then over
-    ``subgroup`` (``None``: the intra-node group, created on first use).
+    ``subgroup`` (``None``: the intra-machine groups of ``torch.cuda.device_count()``
+    ranks, created on first use, as torch does, which needs CUDA).
 
     Args:
         process_group: the global group (``None``: WORLD).
-        subgroup: the local group after the switch.
+        subgroup: the local group after the switch; on CPU (Gloo), one made on every
+            rank, e.g. ``dist.new_subgroups(group_size=ranks_per_machine)[0]``.
         start_localSGD_iter: the iteration at which local SGD starts.
         post_local_gradient_allreduce: whether gradients are still all-reduced
             within ``subgroup`` after the switch.
@@ -94,5 +98,6 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
         fut.set_result(buffer)
         return fut
     if state.subgroup is None:
+        check("subgroup", state.subgroup, INTRA_MACHINE_GROUP, cuda=torch.cuda.is_available())
         state.subgroup, _ = dist.new_subgroups()
     return _allreduce_mean_future(state.subgroup, buffer)

@@ -28,6 +28,11 @@ from puredist.demo.training import ALGORITHMS, TASKS, refusal
 
 EVERY_ALGORITHM = ALGORITHMS + FAULT_TOLERANT
 DEFAULT_FAULT_TOLERANT = ("diloco_ft",)
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of puredist's extras: from its clone, as the README says."""
+    return f"pip install -e '.[{extra}]' -c constraints.txt (in puredist's clone)"
 """Run by default where torchft is installed (``torchft_diloco`` is a comparison, on request)."""
 
 
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "the bytes each worker sent and the optimizer state it held; then project, from the "
             "measured bytes and compute time, the time each would take to reach the first "
             "algorithm's loss over real links. Tasks: digits (an MLP on scikit-learn's handwritten "
-            "digits, SGD, H=8, ~30 s), lm (a character-level GPT on CPython's documentation, "
+            "digits, SGD, H=8, ~65 s on 2 cores), lm (a character-level GPT on CPython's documentation, "
             "AdamW, H=16, ~6 min) and lm-large (the same GPT at 19M parameters on 256-character "
             "windows: for --device cuda; seconds a step per worker on a CPU). Algorithms: ddp (gradient all-reduce every step), periodic "
             "(post-local SGD: average every H steps), hierarchical (pairs every H/4 steps, everybody "
@@ -169,11 +174,11 @@ def _choose_algorithms(args: argparse.Namespace) -> str | None:
         args.algorithms = list(ALGORITHMS + DEFAULT_FAULT_TOLERANT if runs_ft else ALGORITHMS)
         if not runs_ft:
             print(f"(not running {', '.join(DEFAULT_FAULT_TOLERANT)}: " + ("it trains on the cpu only)" if args.device != "cpu"
-                  else "it needs torchft: pip install 'puredist[ft]')"))
+                  else f"it needs torchft: {install_hint('ft')})"))
     fault_tolerant = [a for a in args.algorithms if a in FAULT_TOLERANT]
     if fault_tolerant and not runs_ft:
         return (f"--algorithms {','.join(fault_tolerant)} " + ("trains on the cpu only" if args.device != "cpu" else
-                "needs torchft: pip install 'puredist[ft]'"))
+                f"needs torchft: {install_hint('ft')}"))
     if args.kill_worker is not None:
         if not fault_tolerant:
             return f"--kill-worker {args.kill_worker} kills a worker of a fault-tolerant algorithm: add diloco_ft"
@@ -263,7 +268,7 @@ def _machine_problem(args: argparse.Namespace) -> str | None:
     for ``--world-size`` workers, a writable ``--output``), or ``None``."""
     missing = _missing_extras()
     if missing:
-        return f"the demo needs {' and '.join(missing)}: pip install 'puredist[demo]'"
+        return f"the demo needs {' and '.join(missing)}: {install_hint('demo')}"
     available = _available_memory()
     most = _most_workers(available)
     if args.world_size > most:

@@ -34,8 +34,8 @@ The modules, one concern each:
 - ``_factory``: :func:`make_optimizer`, an optimizer from a declared state type, a
   per-parameter ``init_leaf`` and an in-place ``run`` (how SGD and Adam are built, and
   how to add one);
-- :mod:`~puredist.optim.sgd`, :mod:`~puredist.optim.adam`: one algorithm a file, its
-  state types declared there;
+- ``sgd``, ``adam`` (the modules, whose names :func:`sgd` and :func:`adam` take over as
+  attributes of this package): one algorithm a file, its state types declared there;
 - :mod:`~puredist.optim.schedules`: hyper-parameters that are schedules of the count;
 - ``_kernels`` (and ``_out_of_place``): which torch kernel runs,
   its workarounds and probes; ``_checks``: the optimizers' rules, checked before anything is stepped.

@@ -9,10 +9,12 @@
   the probe of its fused SGD kernel on 16-bit CPU tensors (:func:`cpu_fused_sgd_sound`,
   run once per dtype, off the step path);
 - whether a pure update runs :mod:`puredist.optim._out_of_place`'s twins of the
-  multi-tensor kernels (:func:`steps_out_of_place`).
+  multi-tensor kernels (:func:`steps_out_of_place`);
+- the ``vmap`` rule torch 2.13 lacks for ``prims::fma``, which a compiled Adam step
+  runs (:func:`batch_fused_multiply_add`).
 
 This module must not validate arguments nor keep state: it chooses, the algorithms
-(:mod:`puredist.optim.sgd`, :mod:`puredist.optim.adam`) run.
+(the modules ``puredist.optim.sgd`` and ``puredist.optim.adam``) run.
 """
 
 import functools
@@ -102,3 +104,37 @@ def steps_out_of_place(params, grads, foreach: bool | None, fused: bool | None, 
 
 
 IS_SPARSE, DTYPE, IS_CPU = operator.attrgetter("is_sparse"), operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
+
+
+@functools.cache
+def batch_fused_multiply_add() -> None:
+    """Give torch's ``prims::fma`` a ``vmap`` rule where torch has none (2.13), once per
+    process. ``torch.compile`` rewrites Adam's ``addcmul_(..., value=)`` and
+    ``addcdiv_(..., value=)`` as that op; without a rule ``vmap`` runs it replica by
+    replica, printing a "performance drop" warning from C++ each time it is traced.
+    The op is elementwise, so the rule is the op on the batched operands, broadcast:
+    the same values, one op. Imports ``torch._inductor.inductor_prims`` (about 1 s, that
+    ``torch.compile`` imports anyway); nothing where torch has no such op or a rule."""
+    try:
+        from torch._inductor import inductor_prims
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return
+    fma = getattr(inductor_prims, "fma", None)
+    if fma is None or torch._C._dispatch_has_kernel_for_dispatch_key(fma.name(), "FuncTorchBatched"):
+        return
+
+    def batched(info, in_dims, *operands):
+        """Each tensor operand with its batch dimension first (1 where unmapped) and its
+        other dimensions aligned on the right, as broadcasting aligns them."""
+        ranks = [x.dim() - (d is not None) if isinstance(x, torch.Tensor) else 0 for x, d in zip(operands, in_dims)]
+        aligned = [x if not isinstance(x, torch.Tensor) else
+                   _aligned(x.movedim(d, 0) if d is not None else x.unsqueeze(0), max(ranks) - rank)
+                   for x, d, rank in zip(operands, in_dims, ranks)]
+        return fma(*aligned), 0
+
+    torch.library.register_vmap(fma, batched)
+
+
+def _aligned(x: torch.Tensor, missing: int) -> torch.Tensor:
+    """``x`` (its batch dimension first) with ``missing`` dimensions of 1 after it."""
+    return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])

@@ -15,7 +15,8 @@ from puredist._seq import any_complex, rows_of
 from puredist._validation import check, check_hypers
 from puredist.optim._checks import ONE_KERNEL, check_fused_takes, check_hyper
 from puredist.optim._factory import make_optimizer
-from puredist.optim._kernels import grads_for, l2_while_compiling, steps_out_of_place
+from puredist._transforms import is_transformed
+from puredist.optim._kernels import batch_fused_multiply_add, grads_for, l2_while_compiling, steps_out_of_place
 from puredist.optim._out_of_place import adam_foreach
 from puredist.optim.base import Count, Optimizer, Shaped, config_text, param_state
 
@@ -60,6 +61,8 @@ def _adam_family(
     check("foreach", foreach, ONE_KERNEL, fused=fused)
 
     def init_leaf(p: torch.Tensor) -> AdamParamState | AMSGradParamState:
+        if not torch.compiler.is_compiling() and is_transformed(p):  # states made under vmap: steps batched next
+            batch_fused_multiply_add()
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
         # as torch.optim.Adam: the fused kernel keeps the step on the parameter's device
         step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device if fused else "cpu")

@@ -55,6 +55,10 @@ class FieldKind(enum.Enum):
     unmapped by :func:`state_axes`), never laid flat, required by a checkpoint that
     needs it."""
 
+    def __repr__(self) -> str:
+        """``FieldKind.COUNT``: Python that names the kind (an annotation shows it)."""
+        return f"{type(self).__name__}.{self.name}"
+
 
 Shaped = Annotated[torch.Tensor, FieldKind.SHAPED]
 """The annotation of a state field shaped like its parameter."""
