@@ -5,7 +5,7 @@ over the bucket layout DDP settles on (25 MiB buckets, 1 MiB first bucket).
     python benchmarks/plan_balance.py
 """
 
-from puredist.sharding import STRATEGIES, plan_zero, reverse_order_buckets
+from puredist.zero_plan import STRATEGIES, plan_zero, reverse_order_buckets
 
 
 def gpt2_small_sizes() -> list[int]:

@@ -167,7 +167,7 @@ def test_subgroup_sizes_that_are_not_ints_are_refused_by_name():
 def test_a_plans_owners_are_judged_by_their_values_and_types_whatever_was_checked_before():
     # the check was cached on the owners' values alone: 1.0 == 1 == np.int64(1), so the first plan checked
     # decided for the others
-    from puredist import sharding
+    from puredist import zero_plan
 
     valid, floats = puredist.ZeroPlan(2, (0, 1)), puredist.ZeroPlan(2, (0, 1.0))
     numpy_owners = puredist.ZeroPlan(2, tuple(np.array([0, 1])))
@@ -179,7 +179,7 @@ def test_a_plans_owners_are_judged_by_their_values_and_types_whatever_was_checke
             return str(error)
 
     for first in (numpy_owners, floats, valid):
-        sharding._outside_of.cache_clear()  # this plan is the first one checked
+        zero_plan._outside_of.cache_clear()  # this plan is the first one checked
         outcome(first)
         assert outcome(valid) == [3, 2] and outcome(numpy_owners) == [3, 2]
         assert "owners must be ranks in [0, 2), got 1.0 at parameter 1" in outcome(floats)

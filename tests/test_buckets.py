@@ -81,7 +81,8 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
     half of 256 MiB, all others (host tensors, a GPU's over Gloo) in buckets of half of
     32 MiB (the meta device stands for a GPU here: it has no data). Brute force: the
     bucket sizes a run launches, per device."""
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     class Done:
         def wait(self):
@@ -106,7 +107,8 @@ def test_the_default_staging_cap_is_larger_for_the_tensors_that_go_over_nccl():
 def test_spare_staging_buffers_are_kept_within_each_devices_own_cap():
     """An asynchronous run's buffers are kept for the next one up to the cap of their
     own device: the host's 32 MiB are not used up by a GPU's (meta stands for one)."""
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     class Done:
         def wait(self):
@@ -157,7 +159,8 @@ def test_a_blocking_run_never_packs_a_bucket_over_one_still_in_flight():
     for every bucket its span overlaps, not only the one its start falls in. The
     collective here reads its buffer only when waited on (a backend may read it any
     time until then) and doubles it; the oracle: every element doubled."""
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     class Doubles:
         def __init__(self, buffer):

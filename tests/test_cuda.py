@@ -111,7 +111,8 @@ def _staging_reused_from_another_stream(rank, world_size):
     and ``wait`` orders the current stream after it, the host not waiting. The first
     run's collective is held back (a late peer); the second is issued on another
     stream. Oracle: each run's tensor keeps its own values (the sum of one rank)."""
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     comm, side = torch.cuda.Stream(), torch.cuda.Stream()  # made first: the first Stream() builds torch's
     # pool of streams, which takes the host long enough for a held-back collective to end meanwhile

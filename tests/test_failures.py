@@ -257,7 +257,8 @@ class _Done:
 
 
 def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     pool = StagingPool(64)
     calls = []
@@ -281,7 +282,8 @@ def test_a_failed_run_drops_its_staging_pool_so_that_no_later_call_shares_it():
 def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective(async_op, monkeypatch):
     # the rank check's second half: its round trip overlaps the first bucket's packing, and its error
     # leaves every tensor as it was, with no collective started
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
     events = []
@@ -320,7 +322,8 @@ def test_the_gate_runs_once_the_first_bucket_is_packed_and_before_any_collective
 
 
 def test_the_gate_is_passed_where_there_is_no_bucket():
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     passed = []
     for async_op in (False, True):
@@ -335,7 +338,8 @@ class _Failed:
 
 
 def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.ones(40)]  # 160 bytes: 5 buckets of 32
@@ -361,7 +365,8 @@ def test_async_buffers_are_reused_after_success_and_dropped_after_a_failure():
 
 def test_an_async_run_whose_later_bucket_fails_writes_none_of_the_buckets_that_succeeded():
     # deterministic, where the job above races: buckets 1 and 2 of 5 succeed, bucket 3 fails at its wait
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
 
     pool = StagingPool(1024)
     tensors = [torch.arange(40.0)]  # 160 bytes: 5 buckets of 32
@@ -422,7 +427,8 @@ def test_an_averaging_started_in_inference_mode_and_waited_outside_writes_every_
 
 
 def test_a_write_back_that_raises_is_a_collective_error_saying_what_was_written(monkeypatch):
-    from puredist.staging import StagingOptions, StagingPool, run_staged
+    from puredist.staging.pool import StagingPool
+    from puredist.staging.run import StagingOptions, run_staged
     from puredist.staging.run import _BucketInFlight
 
     real = _BucketInFlight.write_back

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from puredist.sharding import STRATEGIES, plan_zero, reverse_order_buckets
+from puredist.zero_plan import STRATEGIES, plan_zero, reverse_order_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plan_balance import gpt2_small_sizes  # noqa: E402 - the benchmark's model
@@ -130,7 +130,7 @@ def test_tie_breaking_by_hand():
 
 
 def test_owned_by_takes_a_plan_built_by_hand_with_a_list_of_owners():
-    from puredist.sharding import ZeroPlan
+    from puredist.zero_plan import ZeroPlan
 
     assert ZeroPlan(2, [0, 1, 0]).owned_by(0) == (0, 2) and ZeroPlan(2, (0, 1, 0)).owned_by(1) == (1,)
 

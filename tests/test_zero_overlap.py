@@ -12,7 +12,7 @@ from torch.distributed.optim.functional_adam import _FunctionalAdam
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
-from puredist.sharding import reverse_order_buckets
+from puredist.zero_plan import reverse_order_buckets
 from workers import run_workers
 
 HOOKS = {"plain": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}

@@ -12,10 +12,10 @@ Where to start:
   :func:`hierarchical_averager` — :mod:`puredist.averaging`;
 - DiLoCo and local SGD with an outer optimizer: :func:`outer_optimizer` — :mod:`puredist.outer`;
 - the functional optimizers :func:`sgd`, :func:`adam`, :func:`adamw` — :mod:`puredist.optim`;
-- ZeRO: :func:`zero` with a plan from :func:`plan_zero` — :mod:`puredist.zero_sharded`,
-  :mod:`puredist.sharding`;
+- ZeRO: :func:`zero` with a plan from :func:`plan_zero` — :mod:`puredist.zero_step`,
+  :mod:`puredist.zero_plan`;
 - compressed averaging with error feedback: :mod:`puredist.compression`;
-- the schedules as plain functions of the step: :mod:`puredist.schedules`;
+- when the averagers average, as plain functions of the step: :mod:`puredist.averaging_schedules`;
 - a collective inside ``torch.func.vmap``: :mod:`puredist.collectives` (``VmapCollective``);
 - fault tolerance over torchft: :mod:`puredist.ft`;
 - for your own tests and transforms: hypothesis strategies in :mod:`puredist.testing`,
@@ -58,9 +58,9 @@ from puredist.collectives import (
 )
 from puredist.optim import Optimizer, adam, adamw, sgd
 from puredist.outer import OuterState, OuterTransform, outer_optimizer
-from puredist.schedules import hierarchical_schedule, periodic_schedule
-from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero_sharded import Zero, ZeroState, zero
+from puredist.averaging_schedules import hierarchical_schedule, periodic_schedule
+from puredist.zero_plan import ZeroPlan, plan_zero
+from puredist.zero_step import Zero, ZeroState, zero
 
 try:
     __version__ = version("puredist")

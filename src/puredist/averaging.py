@@ -35,7 +35,7 @@ from puredist._validation import (
 )
 from puredist.collectives import Collective, CollectiveHandle, check_is_collective, refusing
 from puredist.collectives.base import check_group_sizes
-from puredist.schedules import hierarchical_schedule, periodic_schedule
+from puredist.averaging_schedules import hierarchical_schedule, periodic_schedule
 from puredist._docs import fields_documented
 
 __all__ = [

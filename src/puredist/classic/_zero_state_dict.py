@@ -17,7 +17,7 @@ import torch.distributed as dist
 from puredist._validation import BELOW, as_int, check
 from puredist.classic._torch_state import check_loadable
 from puredist.collectives import DistributedCollective
-from puredist.sharding import ZeroPlan
+from puredist.zero_plan import ZeroPlan
 
 NOT_CONSOLIDATED = (
     "Optimizer state has not been consolidated on this rank. Please call "

@@ -21,7 +21,7 @@ from puredist._validation import as_int, check_warmup_steps
 from puredist.averaging import Averager, AveragerState, periodic_averager_warning_at
 from puredist.classic.utils import get_params_to_average
 from puredist.collectives import DistributedCollective
-from puredist.schedules import periodic_schedule
+from puredist.averaging_schedules import periodic_schedule
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
 

@@ -44,8 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 from puredist._validation import Rule, check
 from puredist.classic.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from puredist.collectives import CollectiveHandle
-from puredist.sharding import plan_zero, reverse_order_buckets
-from puredist.zero_sharded import wait_for_owners
+from puredist.zero_plan import plan_zero, reverse_order_buckets
+from puredist.zero_step import wait_for_owners
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 

@@ -14,7 +14,7 @@ from puredist._validation import as_int, check_hierarchy_group_sizes, check_hier
 from puredist.averaging import hierarchical_averager_warning_at
 from puredist.classic.averagers import _CoreAverager
 from puredist.collectives import DistributedCollective, subgroup
-from puredist.schedules import hierarchical_schedule
+from puredist.averaging_schedules import hierarchical_schedule
 
 __all__ = ["HierarchicalModelAverager"]
 

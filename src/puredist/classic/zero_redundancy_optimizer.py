@@ -2,7 +2,7 @@
 
 As in torch, each rank runs a real local optimizer, ``zero.optim`` (an instance of
 ``optimizer_class``), over the parameters it owns, and the owners broadcast the new
-values. What is puredist's: the ownership plan (:func:`~puredist.sharding.plan_zero`,
+values. What is puredist's: the ownership plan (:func:`~puredist.zero_plan.plan_zero`,
 largest first, fixed at construction: no lazy initialization, so the first ``step()``
 already updates and ``load_state_dict()`` works before it), the staged broadcasts
 (a receiver's parameter holds its old value or the owner's, never a partial one), the
@@ -45,8 +45,8 @@ from puredist.classic._zero_state_dict import (
     packed_param_groups,
 )
 from puredist.collectives import CollectiveHandle, DistributedCollective
-from puredist.sharding import ZeroPlan, plan_zero
-from puredist.zero_sharded import broadcast_from_owners_, wait_for_owners
+from puredist.zero_plan import ZeroPlan, plan_zero
+from puredist.zero_step import broadcast_from_owners_, wait_for_owners
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -106,7 +106,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         optim: this rank's local optimizer, an ``optimizer_class`` over the
             parameters this rank owns (one param group per group of this optimizer,
             possibly empty); its ``state`` is this rank's shard of the state.
-        plan: the :class:`~puredist.sharding.ZeroPlan` (who owns which parameter,
+        plan: the :class:`~puredist.zero_plan.ZeroPlan` (who owns which parameter,
             in the order of ``param_groups``).
         process_group, rank, world_size, global_rank, initialized: as torch's
             (``rank`` within ``process_group``, ``global_rank`` in the default group).

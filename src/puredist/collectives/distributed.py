@@ -28,14 +28,8 @@ from puredist._inputs import checked, checked_for_reduction, checked_like
 from puredist._layout import Checked
 from puredist._validation import POSITIVE_INTS, check, check_bucket_cap_bytes
 from puredist.collectives.base import SUPPORTED_GROUP_SIZE, Collective, divides_first, refusing
-from puredist.staging import (
-    DEVICE_BUCKET_CAP_BYTES,
-    HOST_BUCKET_CAP_BYTES,
-    CollectiveHandle,
-    StagingOptions,
-    StagingPool,
-    run_staged,
-)
+from puredist.staging.pool import DEVICE_BUCKET_CAP_BYTES, HOST_BUCKET_CAP_BYTES, StagingPool
+from puredist.staging.run import CollectiveHandle, StagingOptions, run_staged
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -36,12 +36,12 @@ The modules, one concern each:
   how to add one);
 - ``sgd``, ``adam`` (the modules, whose names :func:`sgd` and :func:`adam` take over as
   attributes of this package): one algorithm a file, its state types declared there;
-- :mod:`~puredist.optim.schedules`: hyper-parameters that are schedules of the count;
+- :mod:`~puredist.optim.hyperparameters`: hyper-parameters that are schedules of the count;
 - ``_kernels`` (and ``_out_of_place``): which torch kernel runs,
   its workarounds and probes; ``_checks``: the optimizers' rules, checked before anything is stepped.
 
 This package must not communicate: an optimizer steps the tensors it is given, on
-this rank (distribution is :mod:`puredist.zero_sharded`'s and :mod:`puredist.outer`'s).
+this rank (distribution is :mod:`puredist.zero_step`'s and :mod:`puredist.outer`'s).
 """
 
 from puredist.optim._factory import make_optimizer
@@ -49,7 +49,7 @@ from puredist.optim.adam import AMSGradParamState, AdamParamState, adam, adamw
 from puredist.optim.base import (
     Count, FieldKind, Optimizer, Shaped, StateDeclaration, clone_states, copies, declaration, param_state, state_axes,
 )
-from puredist.optim.schedules import Hyper
+from puredist.optim.hyperparameters import Hyper
 from puredist.optim.sgd import SGDCountParamState, SGDCountedParamState, SGDNoParamState, SGDParamState, sgd
 
 __all__ = [

@@ -16,7 +16,7 @@ from puredist._validation import check_hypers
 from puredist.optim._checks import check_hyper, shaped_field
 from puredist.optim._kernels import step_recorded
 from puredist.optim.base import Optimizer, clone_states, config_text, copies, declaration, is_param_state
-from puredist.optim.schedules import Hyper, Step, with_schedules
+from puredist.optim.hyperparameters import Hyper, Step, with_schedules
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
 

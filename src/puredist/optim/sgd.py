@@ -19,7 +19,7 @@ from puredist.optim._factory import make_optimizer
 from puredist.optim._kernels import grads_for, steps_out_of_place
 from puredist.optim._out_of_place import sgd_foreach
 from puredist.optim.base import Count, FieldKind, Optimizer, config_text, param_state
-from puredist.optim.schedules import Hyper, read_counts
+from puredist.optim.hyperparameters import Hyper, read_counts
 
 
 @param_state(elementwise=True)

@@ -25,7 +25,7 @@ from puredist._validation import (
 from puredist.compression import Compressor
 from puredist.compression.codecs import IS_COMPRESSOR
 from puredist.optim import Optimizer
-from puredist.schedules import hierarchical_schedule
+from puredist.averaging_schedules import hierarchical_schedule
 
 
 def _no_lower_level(step: int) -> None:

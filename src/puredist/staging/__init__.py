@@ -14,32 +14,12 @@ One concern a module:
   :class:`~puredist.staging.run.StagingOptions`), and the handle of an asynchronous run
   (:class:`~puredist.CollectiveHandle`).
 
-The errors a run raises are in :mod:`puredist.errors`. This package only re-exports.
+The errors a run raises are in :mod:`puredist.errors`. What a user of puredist meets of
+staging is the handle of an asynchronous averaging, :class:`~puredist.CollectiveHandle`:
+the one name this package exports; the
+collectives import the rest from its modules.
 """
 
-from puredist.staging.plan import BucketLayout, PlannedBucket, Piece, bucket_layouts, plan_buckets
-from puredist.staging.pool import (
-    DEVICE_BUCKET_CAP_BYTES,
-    HOST_BUCKET_CAP_BYTES,
-    StagingPool,
-    default_bucket_cap_bytes,
-)
-from puredist.staging.run import CollectiveHandle, Launch, Scales, StagingOptions, no_scaling, run_staged
+from puredist.staging.run import CollectiveHandle
 
-__all__ = [
-    "DEVICE_BUCKET_CAP_BYTES",
-    "HOST_BUCKET_CAP_BYTES",
-    "BucketLayout",
-    "CollectiveHandle",
-    "Launch",
-    "Piece",
-    "PlannedBucket",
-    "Scales",
-    "StagingOptions",
-    "StagingPool",
-    "bucket_layouts",
-    "default_bucket_cap_bytes",
-    "no_scaling",
-    "plan_buckets",
-    "run_staged",
-]
+__all__ = ["CollectiveHandle"]

@@ -1,7 +1,7 @@
 """ZeRO stage 1 as pure functions: sharded optimizer state over an explicit plan.
 
 Every rank holds the optimizer state of the parameters it owns only (per the
-:class:`~puredist.sharding.ZeroPlan`), steps them with the (already averaged)
+:class:`~puredist.zero_plan.ZeroPlan`), steps them with the (already averaged)
 gradients, and the owners broadcast the new values. Built by :func:`zero` from any
 functional :class:`~puredist.optim.Optimizer`:
 
@@ -48,7 +48,7 @@ from puredist.collectives.vmap import VmapCollective
 from puredist._consistency import refusals, with_refusal
 from puredist.errors import RankMismatchError
 from puredist.optim import Optimizer, clone_states
-from puredist.sharding import ZeroPlan
+from puredist.zero_plan import ZeroPlan
 from puredist._bound import bound
 from puredist._docs import fields_documented
 from puredist._validation import BELOW, HOLDS, INSTANCE, check
