@@ -131,9 +131,11 @@ def _paths(leaves: int):
     sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh["shard"], [Shard(0)], src_data_rank=None))
                for p in params]
     mesh_collective = puredist.DistributedCollective.from_mesh(mesh, "replicate")
+    states["sharded diloco"] = diloco.init(sharded)  # the global copy and momentum: DTensors, stepped on their shards
     return {
         "average_": lambda: puredist.average_(params, collective=collective),
         "average_ of DTensors": lambda: puredist.average_(sharded, collective=mesh_collective),
+        "DiLoCo update_ of DTensors": run("sharded diloco", lambda s: diloco.update_(sharded, s, collective=mesh_collective)),
         "average_ async": lambda: puredist.average_(params, collective=collective, async_op=True).wait(),
         "hierarchical averager update_": run("averager", lambda s: averager.update_(params, s, collective=collective)),
         "DiLoCo update_ (synchronizing)": run("diloco", lambda s: diloco.update_(params, s, collective=collective)),

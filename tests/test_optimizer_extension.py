@@ -7,6 +7,7 @@ library reads of it."""
 
 from typing import NamedTuple
 
+import pytest
 import torch
 from torch.func import vmap
 
@@ -217,12 +218,33 @@ def normalized_sgd(lr: float = 0.5) -> puredist.Optimizer:
     return make_optimizer(NormalizedState, lambda param: NormalizedState(), run, hypers={"lr": lr}, kind="nsgd")
 
 
-def test_on_simulated_ranks_diloco_steps_each_replicas_global_copy_per_tensor():
+class HandCount(NamedTuple):  # a state declaring nothing: the library assumes nothing of it
+    count: torch.Tensor
+
+
+def normalized_sgd_by_hand(lr: float = 0.5, pure: bool = True) -> puredist.Optimizer:
+    """The same step, an optimizer built by hand (no declaration; ``pure=False``: no ``update``)."""
+    def update(params, grads, states):
+        return [p - lr * g / g.norm() for p, g in zip(params, grads)], [HandCount(s.count + 1) for s in states]
+
+    def update_(params, grads, states):
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(lr * g / g.norm())
+        return [HandCount(s.count + 1) for s in states]
+
+    return puredist.Optimizer(lambda params: [HandCount(torch.zeros(())) for _ in params], update if pure else None,
+                              update_)
+
+
+@pytest.mark.parametrize("make", [normalized_sgd, normalized_sgd_by_hand], ids=["declared", "built by hand"])
+def test_on_simulated_ranks_diloco_steps_each_replicas_global_copy_per_tensor(make):
     # the stacked [R, ...] global copy is stepped replica by replica: a norm over the stack would be taken across
-    # the replicas (each step sqrt(R) too small), where every real rank takes its own tensor's. Oracle: the
-    # algorithm by hand, per tensor
+    # the replicas (each step sqrt(R) too small), where every real rank takes its own tensor's; a state declaring
+    # nothing has its tensors shaped like the stacked parameter per replica, the others (a count) shared. Oracle:
+    # the algorithm by hand, per tensor
     replicas, lr = 3, 0.5
-    transform = puredist.outer_optimizer(normalized_sgd(lr), sync_every=SYNC_EVERY)
+    transform = puredist.outer_optimizer(make(lr), sync_every=SYNC_EVERY)
     start = tensors(3)
     params = [torch.stack([p] * replicas) for p in start]
     state = transform.init(params)
@@ -239,3 +261,14 @@ def test_on_simulated_ranks_diloco_steps_each_replicas_global_copy_per_tensor():
             local = [[g.clone() for g in globals_] for _ in range(replicas)]
         for k, p in enumerate(params):
             torch.testing.assert_close(p, torch.stack([local[r][k] for r in range(replicas)]), rtol=1e-5, atol=1e-5)
+
+
+def test_on_simulated_ranks_a_per_tensor_optimizer_built_without_a_pure_update_is_refused_by_name():
+    transform = puredist.outer_optimizer(normalized_sgd_by_hand(pure=False), sync_every=1)
+    params = [torch.stack([p] * 2) for p in tensors(3)]
+    state, before = transform.init(params), [p.clone() for p in params]
+    for p in params:
+        p.add_(1.0)
+    with pytest.raises(TypeError, match=r"Arg ``outer``: on simulated ranks .*update=None"):
+        transform.update_(params, state, collective=puredist.SimulatedCollective(2))
+    assert all(torch.equal(p, b + 1.0) for p, b in zip(params, before)) and state.step == 0  # nothing changed

@@ -50,6 +50,7 @@ def _sync_fails_in_flight(rank, world_size):
         fault_at_collective(0, how="die", when="before")  # never joins the first synchronization
     params[0].add_(rank + 1)  # local progress before the sync
     state = transform.update_(params, state, collective=DistributedCollective())  # inner step 1: nothing due
+    earlier = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in transform.state_dict(state, rank=rank).items()}
     state = transform.update_(params, state, collective=DistributedCollective())  # inner step 2: starts it, in flight
     params[0].add_(0.5)  # local progress while it is in flight
     before_params, before_global = params[0].clone(), state.global_params[0].clone()
@@ -58,6 +59,8 @@ def _sync_fails_in_flight(rank, world_size):
     assert torch.equal(params[0], before_params) and torch.equal(state.global_params[0], before_global)
     with pytest.raises(CollectiveError):
         transform.state_dict(state, rank=rank)  # nothing half-reduced is saved
+    # the failed state still serves as the template of a load (any state of the transform does)
+    assert transform.load_state_dict(state, earlier, rank=rank).step == 1
     survivors = dist.new_group([0, 1], use_local_synchronization=True)
     state = transform.update_(params, state, collective=DistributedCollective(survivors))
     # outer sgd(lr=1) is plain averaging over the survivors: g = mean(1, 2) = 1.5, plus the 0.5 made meanwhile
@@ -210,8 +213,37 @@ def test_a_checkpoint_written_by_puredist_0_1_0_is_refused_naming_the_version():
     transform = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=2, delay=1)
     params = [torch.zeros(2, 3), torch.zeros(2, 5)]
     assert saved["config"] == transform.state_dict(transform.init(params), rank=0)["config"]  # the same options
-    with pytest.raises(ValueError, match=r"saved by puredist 0\.1\.0 .*cannot continue that run"):
+    with pytest.raises(ValueError, match=r"saved by puredist 0\.1\.0 .*W \+ 1.*does not load it"):
         transform.load_state_dict(transform.init(params), saved, rank=0)
     current = transform.state_dict(transform.init(params), rank=0)
     with pytest.raises(ValueError, match=r"checkpoint of format 3; this version of puredist reads format 2"):
         transform.load_state_dict(transform.init(params), {**current, "format": 3}, rank=0)
+
+
+def _delayed_sync_fails_with_another_due(rank, world_size):
+    # streaming (H = 4, 2 fragments, delay 2): fragment 0 starts after inner step 2, applied after 4, when fragment 1
+    # starts; rank 2 never joins fragment 0's. The in-flight one is waited before the next starts, so its failure is
+    # recorded in the state passed in, and one retry on the survivors re-issues it and completes the step
+    transform = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=4, fragments=2, delay=2)
+    params = [torch.zeros(3), torch.zeros(5)]
+    state = transform.init(params)
+    if rank == 2:
+        fault_at_collective(0, how="die", when="before")
+    for _ in range(4):
+        for p in params:
+            p.add_(rank)
+        try:
+            state = transform.update_(params, state, collective=DistributedCollective())
+        except CollectiveError:
+            assert state.step == 3 and state.in_flight[0].handle.error is not None
+    survivors = DistributedCollective(dist.new_group([0, 1], use_local_synchronization=True))
+    state = transform.update_(params, state, collective=survivors)
+    # outer sgd(lr=1) averages: fragment 0's global copy is the survivors' mean after inner step 2 (0 and 2), and the
+    # write-back keeps each rank's progress since (2 * rank)
+    assert torch.equal(state.global_params[0], torch.ones(3)) and torch.equal(params[0], torch.full((3,), 1.0 + 2 * rank))
+    return state.step, [(item.fragment, item.started) for item in state.in_flight]
+
+
+def test_a_failed_delayed_synchronization_is_recorded_before_the_next_starts_and_one_retry_completes():
+    results = run_workers(_delayed_sync_fails_with_another_due, 3, victims=(2,), timeout=120, gloo_timeout=20)
+    assert results[:2] == [(4, [(1, 4)])] * 2  # fragment 1's started after inner step 4, on the survivors

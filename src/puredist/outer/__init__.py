@@ -22,9 +22,11 @@ on every rank (as DDP's initial broadcast makes them; ``init`` does not communic
 the first update checks them), and the first synchronization is an outer step from
 them. A warm-up's end (inner step ``warmup_steps``) establishes the global copy as
 the mean of the local parameters, without an outer step, so that the warm-up's
-progress is not taken as one. The parameters are synchronized only after an update
-that applied a synchronization: end a run at a multiple of ``H`` (after the warm-up)
-to end it on the global copy.
+progress is not taken as one. The parameters equal the global copy only after an
+update that applied every parameter's last synchronization with no inner step since:
+with one fragment and no delay, after inner step ``warmup_steps + n * H``; with
+fragments or a delay, ``state.global_params`` holds each fragment's last synchronized
+value.
 
 Options (static, checked by :func:`outer_optimizer`):
 

@@ -75,7 +75,9 @@ def load_state_dict(config: OuterConfig, state: OuterState, saved: Mapping[str, 
     """The state ``saved`` holds, validated against this transform and ``state``
     (a template, e.g. ``init``)."""
     fragments = fragment_leaves(config, state.global_params)
-    check_saved(config, state, saved, state_dict(config, state, rank=rank), rank)
+    # the template's own checkpoint, its synchronizations in flight left out (not waited: the schedule says which
+    # the saved step has, and a failed one would raise)
+    check_saved(config, state, saved, state_dict(config, state._replace(in_flight=()), rank=rank), rank)
     global_params = tuple(
         saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True).pin_memory() if g.is_pinned()
         else saved[f"global.{i}"].to(device=g.device, dtype=g.dtype, copy=True)

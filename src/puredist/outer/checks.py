@@ -144,10 +144,10 @@ _ANY = r".*"
 SAVED = (  # in this order: which version wrote it, whose checkpoint it is, entries missing (saved by fewer ranks),
     # values, entries beyond, kinds
     Expect("format", lambda v, e, m, c: v is not ABSENT,
-           "it was saved by puredist 0.1.0 (it has no ``format`` entry), whose DiLoCo schedule counted a step before "
-           "the first inner step was complete (the first synchronization after inner step 1, plain averaging, where "
-           "DiLoCo's Algorithm 1 takes an outer step after inner step sync_every): this version cannot continue that "
-           "run on its trajectory. Finish it with puredist 0.1.0, or start this version's state from its global copy "
+           "it was saved by puredist 0.1.0 (it has no ``format`` entry), whose timeline counted one step before the "
+           "first inner step was complete (its warmup_steps=W ran as this version's W + 1, with one fragment and no "
+           "lower_levels) and whose checkpoint records its synchronizations in flight by another count: this version "
+           "does not load it. Finish that run with puredist 0.1.0, or start this version's state from its global copy "
            "(write its ``global.<i>`` entries into the parameters, then init)."),
     Expect("format", lambda v, e, m, c: v == e,
            "it is a checkpoint of format {value!r}; this version of puredist reads format {expected!r}."),

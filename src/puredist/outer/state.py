@@ -33,8 +33,9 @@ class InFlight(NamedTuple):
         started: the count of inner steps after which it started (the state's step
             then); it is applied after inner step ``started + delay``.
         fragment: the fragment's index.
-        pseudo_grads: the fragment's pseudo-gradients, averaged in place by the
-            collective (final once ``handle`` is waited on), in the comm dtype.
+        pseudo_grads: the fragment's mean pseudo-gradients per leaf: averaged in
+            place by the collective (final once ``handle`` is waited on), in the dtype
+            they were sent in; with a compressor, the decoded means.
         snapshot: the fragment's local parameters when it started (``()`` when
             ``delay == 0``: nothing runs in between).
         handle: the collective's handle.

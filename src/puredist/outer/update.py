@@ -130,6 +130,11 @@ def _step(config: OuterConfig, storage: Storage, leaves: list, fragments, state:
     _check_outer_steps(config, state, fragments)  # (a compressed synchronization changes the residuals it sends)
     in_flight = [sync.issue_again(config, item, collective) if item.handle.error is not None else item
                  for item in state.in_flight]
+    applying = [item for item in in_flight if item.started + config.delay == count]
+    waiting = [item for item in in_flight if item.started + config.delay != count]
+    for item in applying:  # before anything starts: a failure leaves every synchronization as given, or failed
+        if not item.handle.is_completed():  # (a completed one has nothing to wait for; traced: all)
+            item.handle.wait()
     globals_, states, residuals = list(state.global_params), list(state.outer_state), list(state.residuals)
     new_leaves = list(leaves)
 
@@ -139,16 +144,11 @@ def _step(config: OuterConfig, storage: Storage, leaves: list, fragments, state:
                         [states[i] for i in indices], [residuals[i] for i in indices] if residuals else [])
 
     due = due_fragments(config, count)
-    for f in due:
+    for f in due:  # (without a delay each completes here, and is applied now)
         item, left = sync.start(config, storage, fragment(f), count, collective)
-        in_flight.append(item)
+        (waiting if config.delay else applying).append(item)
         for i, residual in zip(fragments[f], left):
             residuals[i] = residual
-    applying = [item for item in in_flight if item.started + config.delay == count]
-    waiting = [item for item in in_flight if item.started + config.delay != count]
-    for item in applying:  # all of them before any is applied: a failure applies nothing
-        if not item.handle.is_completed():  # (a completed one has nothing to wait for; traced: all)
-            item.handle.wait()
     for item in applying:
         done = sync.apply(config, storage, fragment(item.fragment), item)
         for k, i in enumerate(fragments[item.fragment]):

@@ -17,8 +17,9 @@ place, under ``torch.func`` transforms and ``torch.compile``).
 Every method takes and returns lists aligned with the fragment's leaves; an in-place
 storage returns the tensors it was given, written; the traced one returns new ones.
 
-This module must not decide when a synchronization runs, nor hold a tensor between
-calls: a storage is chosen once per layout and kept with it.
+This module must not decide when a synchronization runs. A storage holds no tensor: it
+is chosen once per layout and kept with it (a flat fragment's scratch buffers live
+with its global copy, :mod:`~puredist.outer.storage.flat`).
 """
 
 from __future__ import annotations

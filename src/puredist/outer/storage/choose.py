@@ -1,7 +1,8 @@
 """Which storage holds a step's fragments: chosen once per layout of the parameter
 leaves, transform and kind of collective (:func:`storage_for`), or the traced one
-under ``torch.func`` transforms and ``torch.compile`` (:func:`traced_storage`). The
-only module that asks where the tensors are.
+under ``torch.func`` transforms and ``torch.compile`` (:func:`traced_storage`): the
+one choice among the storages (where a fragment's global copy is laid out flat is
+decided at ``init``, :mod:`~puredist.outer.storage.flat_layout`).
 
 This module must not touch tensor values or communicate.
 """

@@ -20,13 +20,14 @@ This module must not communicate but through the collective it is given.
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
-from puredist._dtensors import is_dtensor, like, local_shard, local_shards
+from puredist._dtensors import dtensor_type, is_dtensor, like, local_shard, local_shards
 from puredist._inputs import checked_like
 from puredist._layout import Layout
+from puredist._seq import rows_of
 from puredist.collectives import Collective, CollectiveHandle
 from puredist.optim import Optimizer
 from puredist.outer.config import OuterConfig
@@ -44,8 +45,28 @@ class ShardedContext(NamedTuple):
         return f"{self.context} over shards of layout {self.layout_digest & 0xFFFFFFFF:08x}"
 
 
-def _on_shards(state: NamedTuple) -> NamedTuple:
-    return type(state)(*(local_shard(field) if is_dtensor(field) else field for field in state))
+def _on_shards(states: Sequence[NamedTuple]) -> list:
+    """``states`` (of one kind) with each DTensor field its local shard, field by field
+    (no Python frame per state where a field holds DTensors only, or none)."""
+    if not states or not states[0]._fields:
+        return list(states)
+    columns = []
+    for column in zip(*states):
+        kinds = set(map(type, column))
+        if kinds == {dtensor_type()}:
+            columns.append(local_shards(column))
+        else:
+            columns.append(list(map(local_shard, column)) if dtensor_type() in kinds else column)
+    return rows_of(type(states[0]), *columns)
+
+
+def _stepped_in_place(shards: Sequence[NamedTuple], stepped: Sequence[NamedTuple]) -> bool:
+    """Whether the optimizer returned the states of shards it was given, each field the
+    same tensor (stepped in place): their DTensors are then the states as they were
+    (compared field by field: no Python frame per state)."""
+    if not shards or set(map(type, stepped)) != {type(shards[0])}:
+        return not shards
+    return all(all(map(operator.is_, new, old)) for new, old in zip(zip(*stepped), zip(*shards)))
 
 
 def _as_dtensors(old: NamedTuple, new: NamedTuple, target: torch.Tensor) -> NamedTuple:
@@ -102,8 +123,11 @@ class Shards(Storage):
         """The outer optimizer on the shards of the global copy and its states, in
         place; the new states are DTensors again."""
         targets, states = fragment.globals, fragment.states
+        shards = _on_shards(states)
         with torch.no_grad():
-            stepped = self.outer.update_(local_shards(targets), grads, [_on_shards(s) for s in states])
+            stepped = self.outer.update_(local_shards(targets), grads, shards)
+        if _stepped_in_place(shards, stepped):
+            return targets, states
         return targets, [_as_dtensors(old, new, target) for old, new, target in zip(states, stepped, targets)]
 
     def write_back(self, fragment: Fragment, globals_: list, snapshot: tuple) -> list:
