@@ -110,7 +110,7 @@ def test_the_demo_trains_over_shaped_links_and_leaves_no_namespace(tmp_path):
     ddp = result["links"]["20mbit"]["ddp"]
     assert ddp["measured_s"] >= runs["ddp"]["bytes_per_worker_max"] / (20e6 / 8)
     assert ddp["steps_to_target"] == 24 and ddp["measured_to_target_s"] == ddp["measured_s"]
-    assert "MEASURED over real links" in done.stdout and "20mbit: by measured time to ddp's final loss: " in done.stdout
+    assert "MEASURED over real links" in done.stdout and "20mbit: by measured time to within 1% of ddp's final: " in done.stdout
 
 
 @needs_namespaces
