@@ -340,6 +340,19 @@ def test_each_projected_table_explains_its_mark_in_a_line_of_its_own():
     assert "lowest evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
 
 
+def test_outer_options_are_the_papers_then_the_tasks_then_the_knobs():
+    from puredist.demo import charlm, digits
+    from puredist.demo.knobs import Knobs, outer_options
+    from puredist.demo.training import refusal
+
+    assert outer_options(Knobs(), charlm.TASK) == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert outer_options(Knobs(), digits.TASK) == {"lr": 1.0, "momentum": 0.5, "nesterov": True}  # its sweep's
+    assert outer_options(Knobs(outer_lr=0.3), digits.TASK) == {"lr": 0.3, "momentum": 0.5, "nesterov": True}
+    # no momentum: plain SGD on the pseudo-gradient (Nesterov needs one), which runs
+    assert outer_options(Knobs(outer_momentum=0.0), digits.TASK) == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert refusal(digits.TASK, Knobs(outer_momentum=0.0), 4, ["diloco", "streaming", "diloco_int8"]) is None
+
+
 def test_help_explains_the_options():
     done = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60, env=ENV)
     assert done.returncode == 0
