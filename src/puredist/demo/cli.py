@@ -168,7 +168,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
-        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs),
+        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs, task),
         "block_size": block_size(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},

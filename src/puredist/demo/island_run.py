@@ -145,7 +145,7 @@ def options(task, knobs) -> dict[str, int]:
             "warmup_steps": task.warmup_steps if knobs.warmup_steps is None else knobs.warmup_steps, **STREAMING}
 
 
-def _refusal(algorithms: list[str], settings: dict[str, int], knobs, per_island: int, world_size: int) -> str | None:
+def _refusal(algorithms: list[str], task, settings: dict[str, int], knobs, world_size: int) -> str | None:
     """Why one of ``algorithms`` cannot run with ``settings``, in one line; or None
     (each transform is built as the workers build it, so puredist's own rules decide)."""
     import warnings
@@ -158,7 +158,7 @@ def _refusal(algorithms: list[str], settings: dict[str, int], knobs, per_island:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if algorithm in DILOCO_VARIANTS:
-                    diloco_transform(algorithm, settings, knobs)
+                    diloco_transform(algorithm, task, settings, knobs)
                 elif algorithm == "hierarchical":
                     puredist.hierarchical_averager({settings["sync_every"]: world_size}, settings["warmup_steps"])
         except (TypeError, ValueError) as error:
@@ -186,7 +186,7 @@ def problem(args, task, knobs) -> str | None:
     args.link = args.link or [DEFAULT_RATE]
     if len(args.link) > 1:
         return f"{given} takes one --link rate (the inter-island links'), got {','.join(r.name for r in args.link)}"
-    refused = _refusal(args.algorithms, options(task, knobs), knobs, args.world_size // args.islands, args.world_size)
+    refused = _refusal(args.algorithms, task, options(task, knobs), knobs, args.world_size)
     if refused is not None:
         return refused
     reason = links.unavailable()

@@ -2,8 +2,11 @@
 ``python -m puredist.demo.island_worker CONFIG ISLAND`` (the launcher writes CONFIG,
 a JSON file; :func:`puredist.demo.island_run.launch`).
 
-The worker enters its network namespace, joins the job's Gloo group over the islands'
-links and trains each algorithm twice: unshaped (the inter-island links without a
+The worker enters its network namespace, takes the core of its place in the island
+(worker ``j`` of every island on core ``j`` modulo the cores: every island gets the same
+share of the machine, as islands of equal hardware would; else the faster island waits
+for the slower one at each synchronization), joins the job's Gloo group over the
+islands' links and trains each algorithm twice: unshaped (the inter-island links without a
 rate) and shaped (at the job's rate). The ranks form an ``(island, inside)`` mesh
 (torchrun numbers a node's workers consecutively: a row is an island). Algorithms, in
 the island shape (``H`` the period, ``W`` the warm-up):
@@ -131,10 +134,10 @@ DILOCO_VARIANTS: dict[str, Callable[[dict, Knobs], dict[str, Any]]] = {
 """Each DiLoCo variant's options of :func:`puredist.outer_optimizer` besides ``H`` and the warm-up."""
 
 
-def diloco_transform(algorithm: str, options: dict, knobs: Knobs):
+def diloco_transform(algorithm: str, task: Task, options: dict, knobs: Knobs):
     """The outer transform of DiLoCo variant ``algorithm`` (checked by puredist's own
     rules when built: the launcher builds it before any worker starts)."""
-    return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs)), sync_every=options["sync_every"],
+    return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs, task)), sync_every=options["sync_every"],
                                     warmup_steps=options["warmup_steps"], **DILOCO_VARIANTS[algorithm](options, knobs))
 
 
@@ -145,7 +148,7 @@ def _diloco(algorithm: str) -> Callable[..., Setup]:
 
         ddp = DDP(model, process_group=mesh.get_group("inside"))  # the island's workers stay equal
         optimizer = TORCH_OPTIMIZERS[task.optimizer](ddp.parameters(), **task.optimizer_options)
-        transform = diloco_transform(algorithm, options, knobs)
+        transform = diloco_transform(algorithm, task, options, knobs)
         params = list(model.parameters())
         state = [transform.init(params)]
         across = puredist.DistributedCollective.from_mesh(mesh, "island")
@@ -265,6 +268,8 @@ def _mesh(config: dict, island: int):
 def main(argv: list[str]) -> None:
     config, island = json.loads(Path(argv[0]).read_text()), int(argv[1])
     local = int(os.environ["LOCAL_RANK"])
+    cores = sorted(os.sched_getaffinity(0))  # worker j of every island on the same core: islands of equal hardware
+    os.sched_setaffinity(0, {cores[local % len(cores)]})
     links.enter(config["namespaces"][island][local])
     os.environ["GLOO_SOCKET_IFNAME"] = links.INTERFACE
     rate = links.Rate(*config["rate"])
