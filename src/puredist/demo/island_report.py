@@ -147,21 +147,22 @@ def islands_table(summary: dict[str, Any]) -> str:
         f"MEASURED (training time, evaluations left out) beside PROJECTED (network model: the unshaped run plus its "
         f"bytes over the link); target: held-out loss {model['target_eval_loss']:.3f}, within "
         f"{100 * model['target_tolerance']:.0f}% of {model['target_from']}'s final {model['final_eval_loss']:.3f}",
-        f"{'algorithm':13s} {'steps':>5s} {'loss':>6s} {'wall':>8s} {'vs ' + model['target_from']:>7s} "
-        f"{'utilization':>11s} {'to target':>9s} {'at step':>7s} {'projected':>9s} {'measured/proj':>13s}",
+        f"{'algorithm':13s} {'steps':>5s} {'loss':>6s} {'wall':>8s} {'utilization':>11s} {'to target':>9s} "
+        f"{'at step':>7s} {'/ ' + model['target_from'] + ' wall':>10s} {'projected':>9s} {'measured/proj':>13s}",
     ]
     for algorithm, row in rows.items():
-        versus = "-" if not baseline else f"{row['wall_s'] / baseline:.2f}x"
+        versus = "-" if not baseline or row["to_target_s"] is None else f"{row['to_target_s'] / baseline:.2f}x"
         lines.append(
             f"{algorithm:13s} {row['steps']:5d} {row['eval_loss']:6.3f} {_seconds(row['wall_s']):>7s}"
-            f"{'*' if row['wall_from'] == 'per step' else ' '} {versus:>7s} {100 * row['utilization']:10.1f}% "
-            f"{_seconds(row['to_target_s']):>9s} {row['steps_to_target'] or '-':>7} {_seconds(row['projected_s']):>9s} "
-            f"{row['ratio']:12.2f}x")
+            f"{'*' if row['wall_from'] == 'per step' else ' '} {100 * row['utilization']:10.1f}% "
+            f"{_seconds(row['to_target_s']):>9s} {row['steps_to_target'] or '-':>7} {versus:>10s} "
+            f"{_seconds(row['projected_s']):>9s} {row['ratio']:12.2f}x")
     cut = [(a, r["shaped_steps"]) for a, r in rows.items() if r["wall_from"] == "per step"]
     if cut:
         lines.append("(* " + ", ".join(f"{a}'s wall time is its time per step over the link (a run of {n} steps) "
                                        f"times its steps; its loss curve and step to the target the unshaped run's"
                                        for a, n in cut) + ")")
-    lines.append("(utilization: the lowest worker's share of its training time not spent waiting on the slow link; "
+    lines.append("(utilization: the lowest worker's share of its training time not spent waiting on the slow link; to "
+                 f"target / {model['target_from']} wall: the time to the target over {model['target_from']}'s wall time; "
                  "- not reached)")
     return "\n".join(lines)
