@@ -4,25 +4,13 @@ one torchrun per island; nothing is left behind however the run ends."""
 import json
 import os
 import re
-import select
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
-from puredist.demo import cli, island_report, island_run, islands, links
-
-DEMO = [sys.executable, "-m", "puredist", "demo"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-UNAVAILABLE = links.unavailable()
-needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"--islands {UNAVAILABLE}")
-
-
-def _namespaces(prefix: str) -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+from namespaces import DEMO, ENV, namespaces as _namespaces, needs_namespaces, start_until
+from puredist.demo import cli, island_report, islands, links
 
 
 def _prefix(banner: str) -> str:
@@ -117,6 +105,7 @@ def test_a_network_that_fails_half_built_is_removed_and_says_which_command_faile
             raise links.LinkError("`ip netns add` failed: no")
         real(*arguments)
 
+    monkeypatch.setattr(links, "_ip", failing)  # (Namespaces makes the namespaces, Islands the rest)
     monkeypatch.setattr(islands, "_ip", failing)
     built = islands.Islands(2, 1)
     with pytest.raises(links.LinkError, match="ip netns add"):
@@ -149,18 +138,9 @@ def test_islands_train_over_shaped_links_and_leave_nothing_behind(tmp_path):
 @needs_namespaces
 @pytest.mark.parametrize("ending", ["ctrl-c", "killed worker"])
 def test_nothing_is_left_behind_when_an_islands_run_is_interrupted(ending, tmp_path):
-    process = subprocess.Popen(
-        [*DEMO, "--islands", "2", "--world-size", "2", "--task", "digits", "--steps", "100000", "--algorithms", "ddp",
-         "--output", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
-    )
+    process, seen = start_until(["--islands", "2", "--world-size", "2", "--task", "digits", "--steps", "100000",
+                                 "--algorithms", "ddp", "--output", str(tmp_path)], "ddp unshaped", timeout=120)
     try:
-        seen = ""
-        deadline = time.monotonic() + 120
-        while "ddp unshaped" not in seen and time.monotonic() < deadline:
-            if select.select([process.stdout], [], [], 1.0)[0]:
-                seen += os.read(process.stdout.fileno(), 4096).decode()
-        assert "ddp unshaped" in seen, seen
         prefix = _prefix(seen)
         assert len(_namespaces(prefix)) == 5  # the router, two gateways, a worker each
         if ending == "ctrl-c":

@@ -29,16 +29,10 @@ This module must not train: it places the islands and measures their links.
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
-import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
-from puredist.demo import network
-from puredist.demo.links import INTERFACE, LinkError, Rate, _interrupt, _ip
+from puredist.demo.links import INTERFACE, LinkError, Namespaces, Rate, _ip, egress_bytes, shape
 
 ISLAND_SUBNET = "10.78.{island}"
 """Island ``i``'s bridge: its gateway ``.1``, worker ``j`` ``.(j + 2)``, a /24."""
@@ -54,9 +48,10 @@ def _gateway_address(island: int) -> str:
     return f"{UPLINK_SUBNET.format(island=island)}.2"
 
 
-class Islands:
+class Islands(Namespaces):
     """``islands`` islands of ``per_island`` worker namespaces, joined through a
-    router, for a ``with`` block (see the module's docstring).
+    router, for a ``with`` block (see the module's docstring and
+    :class:`~puredist.demo.links.Namespaces`).
 
     Attributes:
         router: the router namespace's name.
@@ -67,40 +62,11 @@ class Islands:
     """
 
     def __init__(self, islands: int, per_island: int) -> None:
-        prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.prefix = prefix
-        self.router = f"{prefix}-router"
-        self.gateways = [f"{prefix}-i{i}" for i in range(islands)]
-        self.workers = [[f"{prefix}-i{i}w{j}" for j in range(per_island)] for i in range(islands)]
+        super().__init__()
+        self.router = f"{self.prefix}-router"
+        self.gateways = [f"{self.prefix}-i{i}" for i in range(islands)]
+        self.workers = [[f"{self.prefix}-i{i}w{j}" for j in range(per_island)] for i in range(islands)]
         self.endpoint = f"{_gateway_address(0)}:{RENDEZVOUS_PORT}"
-        self._made: list[str] = []
-        self._handlers: dict[int, Any] = {}
-
-    def __enter__(self) -> "Islands":
-        self._handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            self._build()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *_) -> None:
-        try:
-            for name in self._made:  # whatever still runs in them is this run's: stopped before they go
-                for pid in _pids(name):
-                    _kill(pid)
-            for name in reversed(self._made):  # a namespace takes its veth ends (and their peers) and bridge with it
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            self._made.clear()
-        finally:
-            for signum, handler in self._handlers.items():
-                signal.signal(signum, handler)
-
-    def _add(self, name: str) -> None:
-        _ip("ip", "netns", "add", name)
-        self._made.append(name)
-        _ip("ip", "-n", name, "link", "set", "lo", "up")
 
     def _forward(self, name: str) -> None:
         _ip("ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_forward=1")
@@ -143,26 +109,15 @@ class Islands:
 
 def shape_island(links: Sequence[tuple[str, str]], rate: Rate | None) -> None:
     """Shape each of ``links`` (``(namespace, interface)``) to ``rate`` as
-    :func:`puredist.demo.links.shape` shapes a worker's egress (a token bucket of one
-    frame, a queue of at least 0.1 s at the rate); None: a FIFO without a rate."""
+    :func:`puredist.demo.links.shape` shapes a worker's egress; None: unshaped."""
     for namespace, interface in links:
-        if rate is None:
-            _ip("tc", "-n", namespace, "qdisc", "replace", "dev", interface, "root", "pfifo")
-            continue
-        limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
-        _ip("tc", "-n", namespace, "qdisc", "replace", "dev", interface, "root", "tbf", "rate",
-            f"{int(rate.bits_per_second)}bit", "burst", str(network.FRAME_BYTES), "limit", str(limit))
+        shape(rate, interface, namespace)
 
 
 def link_bytes(links: Sequence[tuple[str, str]]) -> list[int]:
     """Bytes (Ethernet frames) each of ``links``' queueing disciplines has sent since
     :func:`shape_island` last set it."""
-    sent = []
-    for namespace, interface in links:
-        shown = subprocess.run(["tc", "-n", namespace, "-s", "qdisc", "show", "dev", interface], capture_output=True,
-                               text=True, check=True).stdout
-        sent.append(int(re.search(r"Sent (\d+) bytes", shown)[1]))
-    return sent
+    return [egress_bytes(interface, namespace) for namespace, interface in links]
 
 
 def launcher_command(islands: Islands, island: int, per_island: int, run_id: str, arguments: Sequence[str]) -> list[str]:
@@ -177,18 +132,6 @@ def launcher_command(islands: Islands, island: int, per_island: int, run_id: str
     if island == 0:
         command += ["--rdzv-conf", "is_host=1"]
     return command + ["-m", "puredist.demo.island_worker", *arguments]
-
-
-def _pids(namespace: str) -> list[int]:
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
-    return [int(pid) for pid in listed.split()]
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 __all__ = ["Islands", "LinkError", "launcher_command", "link_bytes", "shape_island"]

@@ -151,25 +151,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-class Network:
-    """``world_size`` worker namespaces on one bridge in a hub namespace, for a
-    ``with`` block (see the module's docstring); each worker sets its rate (:func:`shape`).
+class Namespaces:
+    """The network namespaces of one run, for a ``with`` block: a subclass's
+    ``_build`` makes them (:meth:`_add`, each named with :attr:`prefix`); on every way
+    out of the block (a normal end, an exception, Ctrl-C, SIGTERM or SIGHUP, turned
+    into ``KeyboardInterrupt`` while inside, a failure half-way through building) the
+    processes still running in them are killed (only this run's can be: the
+    namespaces are its own) and they are removed.
 
     Attributes:
-        hub: the hub namespace's name (the bridge, the rendezvous).
-        workers: worker ``i``'s namespace's name at index ``i``.
-        address: the bridge's address, where the rendezvous listens.
+        prefix: ``puredist-<pid>-<random>``, the start of every name.
     """
 
-    def __init__(self, world_size: int) -> None:
-        prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.hub = f"{prefix}-hub"
-        self.workers = [f"{prefix}-w{i}" for i in range(world_size)]
-        self.address = f"{SUBNET}.1"
+    def __init__(self) -> None:
+        self.prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._made: list[str] = []
         self._handlers: dict[int, Any] = {}
 
-    def __enter__(self) -> "Network":
+    def __enter__(self):
         self._handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
             self._build()
@@ -180,6 +179,13 @@ class Network:
 
     def __exit__(self, *_) -> None:
         try:
+            for name in self._made:
+                listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+                for pid in map(int, listed.split()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             for name in reversed(self._made):  # a namespace takes its veth ends (and their peers) and bridge with it
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
             self._made.clear()
@@ -191,6 +197,27 @@ class Network:
         _ip("ip", "netns", "add", name)
         self._made.append(name)
         _ip("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+
+class Network(Namespaces):
+    """``world_size`` worker namespaces on one bridge in a hub namespace, for a
+    ``with`` block (see the module's docstring and :class:`Namespaces`); each worker
+    sets its rate (:func:`shape`).
+
+    Attributes:
+        hub: the hub namespace's name (the bridge, the rendezvous).
+        workers: worker ``i``'s namespace's name at index ``i``.
+        address: the bridge's address, where the rendezvous listens.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.hub = f"{self.prefix}-hub"
+        self.workers = [f"{self.prefix}-w{i}" for i in range(world_size)]
+        self.address = f"{SUBNET}.1"
 
     def _build(self) -> None:
         self._add(self.hub)
@@ -206,22 +233,26 @@ class Network:
             _ip("ip", "-n", name, "link", "set", INTERFACE, "up")
 
 
-def shape(rate: Rate | None) -> None:
-    """Shape this process's namespace's :data:`INTERFACE` egress to ``rate``: a token
-    bucket of one full frame (no burst above the rate: a link serializes every frame)
-    and a queue of at least 0.1 s at the rate; None: a FIFO without a rate."""
+def shape(rate: Rate | None, interface: str = INTERFACE, namespace: str | None = None) -> None:
+    """Shape ``interface``'s egress (this process's namespace's, or ``namespace``'s) to
+    ``rate``: a token bucket of one full frame (no burst above the rate: a link
+    serializes every frame) and a queue of at least 0.1 s at the rate; None: a FIFO
+    without a rate."""
+    where = ["-n", namespace] if namespace else []
     if rate is None:
-        _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "pfifo")
+        _ip("tc", *where, "qdisc", "replace", "dev", interface, "root", "pfifo")
         return
     limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
-    _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate", f"{int(rate.bits_per_second)}bit",
+    _ip("tc", *where, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", f"{int(rate.bits_per_second)}bit",
         "burst", str(network.FRAME_BYTES), "limit", str(limit))
 
 
-def egress_bytes() -> int:
-    """Bytes (Ethernet frames, headers included) the queueing discipline on this
-    namespace's :data:`INTERFACE` has sent since :func:`shape` set it."""
-    shown = subprocess.run(["tc", "-s", "qdisc", "show", "dev", INTERFACE], capture_output=True, text=True,
+def egress_bytes(interface: str = INTERFACE, namespace: str | None = None) -> int:
+    """Bytes (Ethernet frames, headers included) the queueing discipline on
+    ``interface`` (this process's namespace's, or ``namespace``'s) has sent since
+    :func:`shape` set it."""
+    where = ["-n", namespace] if namespace else []
+    shown = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", interface], capture_output=True, text=True,
                            check=True).stdout
     return int(re.search(r"Sent (\d+) bytes", shown)[1])
 
