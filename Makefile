@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-gpu gpu-check demo bench bench-links bench-lm bench-gpu install upstream docs
+.PHONY: test test-gpu gpu-check demo bench bench-links bench-islands bench-lm bench-gpu install upstream docs
 
 define NEW_VENV
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.11 or newer found (set PYTHON=...)" >&2; exit 1; }
@@ -58,6 +58,14 @@ bench-links: install
 	$(PY) -m puredist demo --world-size 2 --link 20mbit,100mbit --output out/links $(ARGS)
 	$(PY) -m puredist demo --task lm --steps 96 --world-size 2 --algorithms ddp,periodic,diloco,streaming \
 		--link 20mbit --output out/links-lm $(ARGS)
+
+# The islands study (docs/links.md, as root): 2 islands of 2 workers training the language model, one torchrun per
+# island, the links between the islands shaped by tbf to 10 Mbit/s (a compute-to-communication ratio near 10, as
+# INTELLECT-1's), each algorithm's wall time, compute utilization and time to DDP's loss beside the network model,
+# into out/islands (about 17 min on 2 cores). Installs iproute2 where tc is missing.
+bench-islands: install
+	command -v tc >/dev/null || apt-get install -y iproute2
+	$(PY) -m puredist demo --islands 2 --output out/islands $(ARGS)
 
 # The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 25 min alone on 2 cores)
 bench-lm: install

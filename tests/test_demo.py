@@ -100,6 +100,9 @@ def test_the_projection_follows_the_network_model(tiny_run):
     summary = json.loads((out / "results.json").read_text())
     model, runs = summary["network_model"], summary["algorithms"]
     assert model["projected_not_measured"] and model["target_from"] == "ddp"
+    # the target: within 1% of DDP's final held-out loss, so a run ending 0.5% above it is marked as reaching it
+    assert model["final_eval_loss"] == runs["ddp"]["eval_loss"] and model["target_tolerance"] == 0.01
+    assert model["target_eval_loss"] == pytest.approx(1.01 * runs["ddp"]["eval_loss"], rel=1e-12)
     compute = model["compute_s_per_step"]
     assert 0 < compute < 1.0
     # only streaming DiLoCo's bytes travel behind compute: 2 steps of it, the delay before a fragment is applied
@@ -328,12 +331,26 @@ def test_each_projected_table_explains_its_mark_in_a_line_of_its_own():
     row = {"steps_to_target": 1, "projected_s": {}, "projected_loss_within_budget": {}}
     for link in links:
         row["projected_s"][link["name"]] = row["projected_loss_within_budget"][link["name"]] = 1.0
-    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_from": "ddp", "links": links,
+    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_tolerance": 0.01, "final_eval_loss": 0.0,
+             "target_from": "ddp", "links": links,
              "budget_s": {link["name"]: 1.0 for link in links}}
     lines = projection_table({"algorithms": {"ddp": row}, "network_model": model}).splitlines()
     rows = [i for i, line in enumerate(lines) if line.startswith("ddp ")]
     assert len(rows) == 2 and all(lines[i + 1].startswith("(* the ") for i in rows)
     assert "lowest evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
+
+
+def test_outer_options_are_the_papers_then_the_tasks_then_the_knobs():
+    from puredist.demo import charlm, digits
+    from puredist.demo.knobs import Knobs, outer_options
+    from puredist.demo.training import refusal
+
+    assert outer_options(Knobs(), charlm.TASK) == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert outer_options(Knobs(), digits.TASK) == {"lr": 1.0, "momentum": 0.5, "nesterov": True}  # its sweep's
+    assert outer_options(Knobs(outer_lr=0.3), digits.TASK) == {"lr": 0.3, "momentum": 0.5, "nesterov": True}
+    # no momentum: plain SGD on the pseudo-gradient (Nesterov needs one), which runs
+    assert outer_options(Knobs(outer_momentum=0.0), digits.TASK) == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert refusal(digits.TASK, Knobs(outer_momentum=0.0), 4, ["diloco", "streaming", "diloco_int8"]) is None
 
 
 def test_help_explains_the_options():
@@ -360,7 +377,7 @@ def test_a_worker_killed_in_a_fault_tolerant_run_restarts_heals_and_the_run_ends
     done, runs = run_demo(tmp_path, "--world-size", "3", "--steps", "60", "--algorithms",
                           "diloco_ft,diloco,torchft_diloco", "--kill-worker", "30", timeout=300)
     # in the order given, though the fault-tolerant runs run last: the first is the report's reference
-    assert list(runs) == ["diloco_ft", "diloco", "torchft_diloco"] and "(diloco_ft's final)" in done.stdout
+    assert list(runs) == ["diloco_ft", "diloco", "torchft_diloco"] and "of diloco_ft's final " in done.stdout
     # the digits' period is 8: diloco_ft's synchronizations (each a commit) end its 16 warm-up steps, then steps 24,
     # 32...; torchft's DiLoCo (no warm-up) commits at steps 8, 16, 24...
     for algorithm, last_commit in (("diloco_ft", 24), ("torchft_diloco", 24)):

@@ -4,25 +4,13 @@ links; nothing is left behind however the run ends."""
 import json
 import os
 import re
-import select
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
+from namespaces import DEMO, ENV, namespaces as _namespaces, needs_namespaces, start_until
 from puredist.demo import cli, links, network
-
-DEMO = [sys.executable, "-m", "puredist", "demo"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-UNAVAILABLE = links.unavailable()
-needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"--link {UNAVAILABLE}")
-
-
-def _namespaces(prefix: str) -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
 
 
 def _prefix(banner: str) -> str:
@@ -110,7 +98,7 @@ def test_the_demo_trains_over_shaped_links_and_leaves_no_namespace(tmp_path):
     ddp = result["links"]["20mbit"]["ddp"]
     assert ddp["measured_s"] >= runs["ddp"]["bytes_per_worker_max"] / (20e6 / 8)
     assert ddp["steps_to_target"] == 24 and ddp["measured_to_target_s"] == ddp["measured_s"]
-    assert "MEASURED over real links" in done.stdout and "20mbit: by measured time to ddp's final loss: " in done.stdout
+    assert "MEASURED over real links" in done.stdout and "20mbit: by measured time to within 1% of ddp's final: " in done.stdout
 
 
 @needs_namespaces
@@ -136,18 +124,9 @@ def test_a_network_that_fails_half_built_is_removed_and_says_which_command_faile
 @needs_namespaces
 @pytest.mark.parametrize("ending", ["ctrl-c", "sigterm", "killed worker"])
 def test_no_namespace_is_left_behind_when_a_run_is_interrupted(ending, tmp_path):
-    process = subprocess.Popen(
-        [*DEMO, "--world-size", "2", "--steps", "100000", "--algorithms", "ddp", "--link", "100mbit",
-         "--output", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
-    )
+    process, seen = start_until(["--world-size", "2", "--steps", "100000", "--algorithms", "ddp", "--link", "100mbit",
+                                 "--output", str(tmp_path)], "  ddp")  # the banner, the namespaces, ddp's progress
     try:
-        seen = ""  # the banner, the namespaces, then ddp's progress bar
-        deadline = time.monotonic() + 90
-        while "  ddp" not in seen and time.monotonic() < deadline:
-            if select.select([process.stdout], [], [], 1.0)[0]:
-                seen += os.read(process.stdout.fileno(), 4096).decode()
-        assert "  ddp" in seen, seen
         prefix = _prefix(seen)
         assert len(_namespaces(prefix)) == 3  # the hub and two workers
         if ending in ("ctrl-c", "sigterm"):

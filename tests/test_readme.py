@@ -101,7 +101,8 @@ def _summary():
     links = [link._asdict() for link in LINKS]
     for link in links:
         row["projected_s"][link["name"]] = row["projected_loss_within_budget"][link["name"]] = 1.0
-    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_from": "ddp", "links": links,
+    model = {"compute_s_per_step": 0.1, "target_eval_loss": 0.0, "target_tolerance": 0.01, "final_eval_loss": 0.0,
+             "target_from": "ddp", "links": links,
              "budget_s": {link["name"]: 1.0 for link in links}}
     return {"algorithms": {"ddp": row}, "network_model": model}
 

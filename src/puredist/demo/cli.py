@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from puredist.demo import links
+from puredist.demo import island_run, links
 from puredist.demo.fault_tolerant import FAULT_TOLERANT
 from puredist.demo.knobs import KNOB_OPTIONS, Knobs, knobs_task
 from puredist.demo.training import ALGORITHMS, TASKS, refusal
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--world-size", type=_positive_int, default=4, help="worker processes (default 4)")
-    parser.add_argument("--task", choices=list(TASKS), default="digits", help="what to train (default digits)")
+    parser.add_argument("--task", choices=list(TASKS), default=None,
+                        help="what to train (default digits; lm with --islands)")
     parser.add_argument(
         "--steps", type=_positive_int, default=None,
         help="training steps per algorithm (default: " + ", ".join(f"{t.default_steps} for {t.name}" for t in TASKS.values()) + ")",
@@ -114,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train once per rate over real links instead of loopback: each worker in its own network namespace on "
              "one bridge, its egress shaped by tbf to RATE (e.g. 20mbit,100mbit; needs root and iproute2), the "
              "fault-tolerant algorithms left out; report the measured time beside the network model's projection",
+    )
+    parser.add_argument(
+        "--islands", type=_positive_int, default=None, metavar="N",
+        help="train on N islands of --world-size/N workers instead (as root): each island's workers on a bridge of "
+             "their own, the islands joined through a router by links shaped to --link's rate (default "
+             f"{island_run.DEFAULT_RATE.name}), each island started by a torchrun of its own; algorithms "
+             f"{','.join(island_run.ALGORITHMS)}; report wall time, compute utilization and time to ddp's loss beside "
+             "the network model (docs/links.md)",
     )
     _add_knobs(parser)
     return parser
@@ -159,7 +168,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
-        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs),
+        "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs, task),
         "block_size": block_size(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
@@ -283,7 +292,9 @@ def _machine_problem(args: argparse.Namespace) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.output = args.output or Path("out/demo" if args.task == "digits" else f"out/demo-{args.task}")
+    args.task = args.task or (island_run.DEFAULT_TASK if args.islands else "digits")
+    args.output = args.output or Path("out/islands" if args.islands else "out/demo" if args.task == "digits"
+                                      else f"out/demo-{args.task}")
     problem = _machine_problem(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
@@ -311,19 +322,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.backend = "cpu:gloo,cuda:nccl" if gpus >= args.world_size else "gloo"
         where = (f"{args.world_size} of {gpus} {torch.cuda.get_device_name(0)} GPUs (NCCL)" if gpus >= args.world_size
                  else f"one {torch.cuda.get_device_name(0)} GPU, shared (Gloo)")
-    if args.link and args.algorithms is None:
+    if args.link and not args.islands and args.algorithms is None:
         args.algorithms = list(ALGORITHMS)
     knobs = _knobs(args)
-    problem = (_choose_algorithms(args) or refusal(knobs_task(task, knobs), knobs, args.world_size, args.algorithms)
-               or (_link_problem(args) if args.link else None))
+    if args.islands:
+        problem = island_run.problem(args, knobs_task(task, knobs), knobs)
+    else:
+        problem = (_choose_algorithms(args) or refusal(knobs_task(task, knobs), knobs, args.world_size, args.algorithms)
+                   or (_link_problem(args) if args.link else None))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.link:
+    if args.islands:
+        where = (f"{args.islands} islands joined by links of {args.link[0].name} (Gloo, one network namespace each, a "
+                 f"torchrun per island)")
+    elif args.link:
         where = f"links of {', '.join(rate.name for rate in args.link)} (Gloo, one network namespace each)"
     print(f"puredist demo: {task.title}; {args.world_size} workers on {where}, {args.steps} steps per algorithm")
     started = time.perf_counter()
     try:
+        if args.islands:
+            return _report_islands(args, task, knobs, started)
         if args.link:
             return _report_links(args, links.measure(args, _launch, _run_config(args, task)), started)
         results = _launch(args)
@@ -332,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except ChildFailedError as error:
         print(f"\nerror: a worker failed:\n{error.format_msg()}", file=sys.stderr)
+        return 1
+    except island_run.IslandsFailed as error:
+        print(f"\nerror: a worker failed: {error}", file=sys.stderr)
         return 1
     except (RuntimeError, TimeoutError) as error:  # a fault-tolerant run's worker failed, the run hung, a link failed
         print(f"\nerror: {error}", file=sys.stderr)
@@ -348,6 +370,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(summary, args.output / "demo.png")
     print(f"\nwrote {args.output / 'demo.png'} and {args.output / 'results.json'} "
           f"({time.perf_counter() - started:.0f} s in all)")
+    return 0
+
+
+def _report_islands(args: argparse.Namespace, task, knobs: Knobs, started: float) -> int:
+    from puredist.demo.island_report import islands_table, summarize
+
+    settings = island_run.options(knobs_task(task, knobs), knobs)
+    args.knobs = knobs
+    job, results = island_run.launch(args, settings)
+    config = {**_run_config(args, task), "period": settings["sync_every"], "warmup_steps": settings["warmup_steps"],
+              "streaming": {"fragments": settings["fragments"], "delay": settings["delay"]}, "islands": args.islands,
+              "local_steps": island_run.LOCAL_STEPS * args.steps, "shaped_ddp_steps": island_run.SHAPED_DDP_STEPS}
+    summary = summarize(job, results, config, task.title)
+    print()
+    print(islands_table(summary))
+    (args.output / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {args.output / 'results.json'} ({time.perf_counter() - started:.0f} s in all)")
     return 0
 
 

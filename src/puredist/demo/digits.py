@@ -51,4 +51,5 @@ TASK = Task(
     sample=sample,
     optimizer="sgd",
     optimizer_options={"lr": 0.05, "momentum": 0.9},
+    outer_options={"lr": 1.0, "momentum": 0.5},  # from a sweep of the outer lr and momentum (docs/benchmarks.md)
 )

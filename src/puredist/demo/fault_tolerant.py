@@ -184,7 +184,7 @@ def _train(job: dict[str, Any], index: int, restarted: bool, lighthouse: str, st
     model = task.make_model(seed)
     manager = replica_manager(f"worker{index}", lighthouse, min_replicas=1, timeout=COLLECTIVE_TIMEOUT,
                               quorum_timeout=QUORUM_TIMEOUT)
-    replica = REPLICAS[job["algorithm"]](task, model, manager, outer_options(knobs))
+    replica = REPLICAS[job["algorithm"]](task, model, manager, outer_options(knobs, task))
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False, timeout=QUORUM_TIMEOUT)
     if not restarted:  # every first worker's manager is up before the first quorum: it takes them all
         store.add("up", 1)

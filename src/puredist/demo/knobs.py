@@ -19,6 +19,7 @@ import argparse
 import math
 from typing import NamedTuple
 
+from puredist.demo import digits
 from puredist.demo.task import Task
 
 OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -58,10 +59,14 @@ def knobs_task(task: Task, knobs: Knobs) -> Task:
     )
 
 
-def outer_options(knobs: Knobs) -> dict:
-    """The outer SGD's keywords: :data:`OUTER_OPTIONS` with the knobs given."""
+def outer_options(knobs: Knobs, task: Task | None = None) -> dict:
+    """The outer SGD's keywords: :data:`OUTER_OPTIONS`, then ``task``'s own
+    (:attr:`Task.outer_options`), then the knobs given; Nesterov where there is a
+    momentum (without one, plain SGD on the pseudo-gradient)."""
     given = {"lr": knobs.outer_lr, "momentum": knobs.outer_momentum}
-    return {**OUTER_OPTIONS, **{k: v for k, v in given.items() if v is not None}}
+    own = task.outer_options if task is not None and task.outer_options else {}
+    options = {**OUTER_OPTIONS, **own, **{k: v for k, v in given.items() if v is not None}}
+    return {**options, "nesterov": options["momentum"] > 0}
 
 
 def block_size(knobs: Knobs) -> int:
@@ -100,9 +105,12 @@ KNOB_OPTIONS = {
     "--inner-lr": (_ranged(float, 0.0, None, low_open=True, what=_RATE), "LR",
                    "the inner optimizer's learning rate, for every algorithm (default: the task's)"),
     "--outer-lr": (_ranged(float, 0.0, None, low_open=True, what=_RATE), "LR",
-                   f"DiLoCo's outer Nesterov SGD learning rate (default {OUTER_OPTIONS['lr']})"),
+                   f"DiLoCo's outer Nesterov SGD learning rate (default: the task's, {digits.TASK.outer_options['lr']} "
+                   f"for digits, {OUTER_OPTIONS['lr']} for lm as in the paper)"),
     "--outer-momentum": (_ranged(float, 0.0, 1.0, what="a number in [0, 1)"), "M",
-                         f"DiLoCo's outer Nesterov momentum (default {OUTER_OPTIONS['momentum']})"),
+                         f"DiLoCo's outer Nesterov momentum (default: the task's, "
+                         f"{digits.TASK.outer_options['momentum']} for digits, {OUTER_OPTIONS['momentum']} for lm; 0: "
+                         "plain SGD)"),
     "--block-size": (_ranged(int, 2, None, even=True, what="an even whole number, at least 2 (4-bit packs two a byte)"),
                      "N", f"values per fp32 scale of diloco_int8's and diloco_int4's payloads (default {BLOCK_SIZE})"),
 }

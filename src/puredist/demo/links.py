@@ -20,8 +20,8 @@ once unshaped (:data:`BASELINE`: the same namespaces without a rate) and once pe
 so that an algorithm's runs follow each other within seconds and see the same load on a
 shared machine. The comparison (:func:`compare`): per algorithm and rate, the measured
 training time (the slowest worker's, the evaluations left out: they average over the
-same link) of the whole run and up to the evaluation that first reached the first
-algorithm's final held-out loss, beside :func:`puredist.demo.network.projected_seconds`
+same link) of the whole run and up to the evaluation that first reached the target
+(within 1 % of the first algorithm's final held-out loss), beside :func:`puredist.demo.network.projected_seconds`
 for a link of that rate and zero latency, projected from the unshaped run's training
 time and bytes.
 
@@ -151,25 +151,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-class Network:
-    """``world_size`` worker namespaces on one bridge in a hub namespace, for a
-    ``with`` block (see the module's docstring); each worker sets its rate (:func:`shape`).
+class Namespaces:
+    """The network namespaces of one run, for a ``with`` block: a subclass's
+    ``_build`` makes them (:meth:`_add`, each named with :attr:`prefix`); on every way
+    out of the block (a normal end, an exception, Ctrl-C, SIGTERM or SIGHUP, turned
+    into ``KeyboardInterrupt`` while inside, a failure half-way through building) the
+    processes still running in them are killed (only this run's can be: the
+    namespaces are its own) and they are removed.
 
     Attributes:
-        hub: the hub namespace's name (the bridge, the rendezvous).
-        workers: worker ``i``'s namespace's name at index ``i``.
-        address: the bridge's address, where the rendezvous listens.
+        prefix: ``puredist-<pid>-<random>``, the start of every name.
     """
 
-    def __init__(self, world_size: int) -> None:
-        prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.hub = f"{prefix}-hub"
-        self.workers = [f"{prefix}-w{i}" for i in range(world_size)]
-        self.address = f"{SUBNET}.1"
+    def __init__(self) -> None:
+        self.prefix = f"puredist-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._made: list[str] = []
         self._handlers: dict[int, Any] = {}
 
-    def __enter__(self) -> "Network":
+    def __enter__(self):
         self._handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
             self._build()
@@ -180,6 +179,13 @@ class Network:
 
     def __exit__(self, *_) -> None:
         try:
+            for name in self._made:
+                listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+                for pid in map(int, listed.split()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             for name in reversed(self._made):  # a namespace takes its veth ends (and their peers) and bridge with it
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
             self._made.clear()
@@ -191,6 +197,27 @@ class Network:
         _ip("ip", "netns", "add", name)
         self._made.append(name)
         _ip("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+
+class Network(Namespaces):
+    """``world_size`` worker namespaces on one bridge in a hub namespace, for a
+    ``with`` block (see the module's docstring and :class:`Namespaces`); each worker
+    sets its rate (:func:`shape`).
+
+    Attributes:
+        hub: the hub namespace's name (the bridge, the rendezvous).
+        workers: worker ``i``'s namespace's name at index ``i``.
+        address: the bridge's address, where the rendezvous listens.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.hub = f"{self.prefix}-hub"
+        self.workers = [f"{self.prefix}-w{i}" for i in range(world_size)]
+        self.address = f"{SUBNET}.1"
 
     def _build(self) -> None:
         self._add(self.hub)
@@ -206,22 +233,26 @@ class Network:
             _ip("ip", "-n", name, "link", "set", INTERFACE, "up")
 
 
-def shape(rate: Rate | None) -> None:
-    """Shape this process's namespace's :data:`INTERFACE` egress to ``rate``: a token
-    bucket of one full frame (no burst above the rate: a link serializes every frame)
-    and a queue of at least 0.1 s at the rate; None: a FIFO without a rate."""
+def shape(rate: Rate | None, interface: str = INTERFACE, namespace: str | None = None) -> None:
+    """Shape ``interface``'s egress (this process's namespace's, or ``namespace``'s) to
+    ``rate``: a token bucket of one full frame (no burst above the rate: a link
+    serializes every frame) and a queue of at least 0.1 s at the rate; None: a FIFO
+    without a rate."""
+    where = ["-n", namespace] if namespace else []
     if rate is None:
-        _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "pfifo")
+        _ip("tc", *where, "qdisc", "replace", "dev", interface, "root", "pfifo")
         return
     limit = max(64 * 1024, int(rate.bits_per_second / 8 * 0.1))
-    _ip("tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate", f"{int(rate.bits_per_second)}bit",
+    _ip("tc", *where, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", f"{int(rate.bits_per_second)}bit",
         "burst", str(network.FRAME_BYTES), "limit", str(limit))
 
 
-def egress_bytes() -> int:
-    """Bytes (Ethernet frames, headers included) the queueing discipline on this
-    namespace's :data:`INTERFACE` has sent since :func:`shape` set it."""
-    shown = subprocess.run(["tc", "-s", "qdisc", "show", "dev", INTERFACE], capture_output=True, text=True,
+def egress_bytes(interface: str = INTERFACE, namespace: str | None = None) -> int:
+    """Bytes (Ethernet frames, headers included) the queueing discipline on
+    ``interface`` (this process's namespace's, or ``namespace``'s) has sent since
+    :func:`shape` set it."""
+    where = ["-n", namespace] if namespace else []
+    shown = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", interface], capture_output=True, text=True,
                            check=True).stdout
     return int(re.search(r"Sent (\d+) bytes", shown)[1])
 
@@ -261,7 +292,8 @@ def compare(summary: dict[str, Any], baseline: dict[str, Any], rate: Rate) -> di
     training time), ``measured_s``, ``projected_s`` and ``ratio`` (measured /
     projected) of the whole run; ``transfer_s`` (the bytes' time at the rate, none
     hidden: what the run would add waiting for them all); ``steps_to_target`` (the first
-    evaluation at or below the first algorithm's final held-out loss, None if none),
+    evaluation at or below the target, within 1 % of the first algorithm's final
+    held-out loss, None if none),
     ``measured_to_target_s``, ``projected_to_target_s`` and ``ratio_to_target`` there.
     ``summary`` and ``baseline`` are :func:`puredist.demo.report.summarize`'s of the
     shaped and the unshaped runs."""
@@ -327,14 +359,14 @@ def _ratio(value: float | None) -> str:
 def links_table(result: dict[str, Any]) -> str:
     """Measured beside projected, per rate and algorithm, and per rate the algorithms
     in the order of their measured time to the target loss."""
-    first_run = next(iter(result["runs"].values()))
-    target_from = first_run["network_model"]["target_from"]
+    model = next(iter(result["runs"].values()))["network_model"]
+    target_from = f"within {100 * model['target_tolerance']:.0f}% of {model['target_from']}'s final"
     lines = [
         "MEASURED over real links (each worker's egress shaped by tbf; training time, evaluations left out) "
         f"beside PROJECTED (network model, zero latency: the {BASELINE} run's time plus its bytes' frames at the "
         "rate):",
         f"{'rate':>8s} {'algorithm':14s} {'loss':>6s} {'frames':>6s} | {BASELINE:>8s} {'bytes at':>8s} {'measured':>9s} "
-        f"{'projected':>9s} {'ratio':>6s} | to {target_from}'s final loss: {'step':>4s} {'measured':>9s} "
+        f"{'projected':>9s} {'ratio':>6s} | to {target_from}: {'step':>4s} {'measured':>9s} "
         f"{'projected':>9s} {'ratio':>6s}",
     ]
     for rate, rows in result["links"].items():
@@ -344,7 +376,7 @@ def links_table(result: dict[str, Any]) -> str:
                 f"{rate:>8s} {algorithm:14s} {row['eval_loss']:6.3f} {row['wire_bytes_per_byte']:6.3f} | "
                 f"{_seconds(row['baseline_s']):>8s} "
                 f"{_seconds(row['transfer_s']):>8s} {_seconds(row['measured_s']):>9s} "
-                f"{_seconds(row['projected_s']):>9s} {_ratio(row['ratio']):>6s} | {'':{len(target_from) + 15}s} "
+                f"{_seconds(row['projected_s']):>9s} {_ratio(row['ratio']):>6s} | {'':{len(target_from) + 4}s} "
                 f"{step:>4s} {_seconds(row['measured_to_target_s']):>9s} {_seconds(row['projected_to_target_s']):>9s} "
                 f"{_ratio(row['ratio_to_target']):>6s}"
             )
@@ -355,6 +387,6 @@ def links_table(result: dict[str, Any]) -> str:
         reached = sorted((row["measured_to_target_s"], name) for name, row in rows.items()
                          if row["measured_to_target_s"] is not None)
         missed = [name for name, row in rows.items() if row["measured_to_target_s"] is None]
-        lines.append(f"{rate}: by measured time to {target_from}'s final loss: " + " < ".join(n for _, n in reached)
+        lines.append(f"{rate}: by measured time to {target_from}: " + " < ".join(n for _, n in reached)
                      + (f" (not reached: {', '.join(missed)})" if missed else ""))
     return "\n".join(lines)

@@ -39,6 +39,8 @@ class Task(NamedTuple):
         optimizer: the inner optimizer's name in both ``torch.optim`` and
             :mod:`puredist.optim` (``"SGD"``/``sgd``, ``"AdamW"``/``adamw``).
         optimizer_options: its hyper-parameters, the same keywords for both.
+        outer_options: DiLoCo's outer Nesterov SGD's ``lr`` and ``momentum`` where the
+            task tunes them (None: the paper's, :data:`puredist.demo.knobs.OUTER_OPTIONS`).
     """
 
     name: str
@@ -51,6 +53,7 @@ class Task(NamedTuple):
     sample: Callable[[Any, torch.Generator], Batch]
     optimizer: str
     optimizer_options: dict[str, Any]
+    outer_options: dict[str, float] | None = None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

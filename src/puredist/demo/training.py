@@ -176,7 +176,7 @@ def transform(task: Task, knobs: Knobs, world_size: int, algorithm: str):
     if algorithm == "hierarchical":
         return puredist.hierarchical_averager(hierarchy_for(world_size, task.period), task.warmup_steps)
     if algorithm in _DILOCO_OPTIONS:
-        return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs)), sync_every=task.period,
+        return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs, task)), sync_every=task.period,
                                         warmup_steps=task.warmup_steps, **_DILOCO_OPTIONS[algorithm](knobs))
     return None
 
