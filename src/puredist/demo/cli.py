@@ -159,6 +159,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
+        "data_passes": task.data_passes(args.steps, args.world_size),
         "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs),
         "block_size": block_size(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},

@@ -39,6 +39,8 @@ class Task(NamedTuple):
         optimizer: the inner optimizer's name in both ``torch.optim`` and
             :mod:`puredist.optim` (``"SGD"``/``sgd``, ``"AdamW"``/``adamw``).
         optimizer_options: its hyper-parameters, the same keywords for both.
+        data_passes: ``(steps, world_size) -> float``: the most times a worker passes
+            over its shard in ``steps`` minibatches.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Task(NamedTuple):
     sample: Callable[[Any, torch.Generator], Batch]
     optimizer: str
     optimizer_options: dict[str, Any]
+    data_passes: Callable[[int, int], float]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
