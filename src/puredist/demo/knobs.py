@@ -1,5 +1,6 @@
 """What a DiLoCo study varies, as the demo's options: the period ``H``, the warm-up,
-the inner and outer learning rates, the outer momentum and the codec's block size.
+the inner and outer learning rates, the outer momentum, the codec's block size and the
+sparse codec's values per chunk.
 
 :class:`Knobs` holds them, ``None`` meaning the task's own value (or the demo's
 default); :func:`knobs_task` applies the inner ones to a :class:`~puredist.demo.task.Task`
@@ -23,8 +24,14 @@ from puredist.demo.task import Task
 
 OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 """DiLoCo's outer Nesterov SGD, as the paper runs it."""
+SPARSE_OUTER_OPTIONS = {"lr": 1.5, "momentum": 0.0, "nesterov": False}
+"""``diloco_sparse``'s outer SGD, SparseLoCo's recipe: no momentum (each rank's error
+feedback stands in for it) and a step above 1 (a value one rank of ``W`` sent counts
+``1/W`` in the mean of the sparse payloads)."""
 BLOCK_SIZE = 64
-"""Values per fp32 scale of the int8 and 4-bit codecs."""
+"""Values per fp32 scale of the int8, 4-bit and 2-bit codecs."""
+TOP_K = 64
+"""Values ``diloco_sparse`` sends of each chunk of 4096 (1.56 %, SparseLoCo's and Covenant-72B's)."""
 
 
 class Knobs(NamedTuple):
@@ -36,7 +43,8 @@ class Knobs(NamedTuple):
         warmup_steps: local steps before the first synchronization.
         inner_lr: the inner optimizer's learning rate (every algorithm's).
         outer_lr, outer_momentum: DiLoCo's outer Nesterov SGD.
-        block_size: values per scale of the int8 and 4-bit payloads.
+        block_size: values per scale of the int8, 4-bit and 2-bit payloads.
+        top_k: values ``diloco_sparse`` sends of each chunk of 4096.
     """
 
     sync_every: int | None = None
@@ -45,6 +53,7 @@ class Knobs(NamedTuple):
     outer_lr: float | None = None
     outer_momentum: float | None = None
     block_size: int | None = None
+    top_k: int | None = None
 
 
 def knobs_task(task: Task, knobs: Knobs) -> Task:
@@ -58,15 +67,21 @@ def knobs_task(task: Task, knobs: Knobs) -> Task:
     )
 
 
-def outer_options(knobs: Knobs) -> dict:
-    """The outer SGD's keywords: :data:`OUTER_OPTIONS` with the knobs given."""
+def outer_options(knobs: Knobs, defaults: dict = OUTER_OPTIONS) -> dict:
+    """The outer SGD's keywords: ``defaults`` (:data:`OUTER_OPTIONS` or
+    :data:`SPARSE_OUTER_OPTIONS`) with the knobs given."""
     given = {"lr": knobs.outer_lr, "momentum": knobs.outer_momentum}
-    return {**OUTER_OPTIONS, **{k: v for k, v in given.items() if v is not None}}
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
 def block_size(knobs: Knobs) -> int:
     """The int8 and 4-bit codecs' values per scale: the knob, else :data:`BLOCK_SIZE`."""
     return BLOCK_SIZE if knobs.block_size is None else knobs.block_size
+
+
+def top_k(knobs: Knobs) -> int:
+    """``diloco_sparse``'s values per chunk of 4096: the knob, else :data:`TOP_K`."""
+    return TOP_K if knobs.top_k is None else knobs.top_k
 
 
 def _ranged(kind: type, low: float, high: float | None, *, low_open: bool = False, even: bool = False, what: str):
@@ -104,7 +119,10 @@ KNOB_OPTIONS = {
     "--outer-momentum": (_ranged(float, 0.0, 1.0, what="a number in [0, 1)"), "M",
                          f"DiLoCo's outer Nesterov momentum (default {OUTER_OPTIONS['momentum']})"),
     "--block-size": (_ranged(int, 2, None, even=True, what="an even whole number, at least 2 (4-bit packs two a byte)"),
-                     "N", f"values per fp32 scale of diloco_int8's and diloco_int4's payloads (default {BLOCK_SIZE})"),
+                     "N", f"values per fp32 scale of diloco_int8's, diloco_int4's and diloco_int2's payloads (a multiple "
+                          f"of 4 for diloco_int2; default {BLOCK_SIZE})"),
+    "--top-k": (_ranged(int, 1, 4097, what="a whole number from 1 to 4096"), "K",
+                f"values diloco_sparse sends of each chunk of 4096 (default {TOP_K}: 1.56 %%)"),
 }
 """Each knob's option, in :class:`Knobs`' field order: its argparse ``type`` (the range
 it is checked against), metavar and help."""
