@@ -40,15 +40,17 @@ from pathlib import Path
 from typing import Callable
 
 GRID = (
-    (80, ("ddp", "diloco_int4", "diloco_int8"), ()),
-    (160, ("diloco_int4", "diloco_int8"), ()),
-    (16, ("diloco", "diloco_int4"), ()),
-    (80, ("diloco_int4",), ("--outer-lr", "1.0")),
+    (80, ("ddp", "diloco_int2", "diloco_int4"), ("--block-size", "256")),
+    (160, ("diloco_int2",), ("--block-size", "256")),
+    (80, ("diloco_int2",), ("--block-size", "256", "--outer-lr", "1.0")),
+    (16, ("diloco_sparse",), ("--outer-lr", "2.0")),
+    (64, ("diloco_sparse",), ("--top-k", "256", "--outer-lr", "2.0")),
 )
 """``(H, algorithms, further demo options)`` in the order run (DDP, which has no ``H``, once)."""
-PAYLOADS = {"ddp": "fp32 gradients", "diloco": "bf16", "diloco_int8": "int8", "diloco_int4": "4-bit",
-            "diloco_int2": "2-bit", "diloco_sparse": "{top_k} of 4096, 2-bit"}
-STEPS = 960
+PAYLOADS = {"ddp": "fp32 gradients", "diloco": "bf16", "diloco_int8": "int8, blocks of {block_size}",
+            "diloco_int4": "4-bit, blocks of {block_size}", "diloco_int2": "2-bit, blocks of {block_size}",
+            "diloco_sparse": "{top_k} of 4096, 2-bit, no outer momentum"}
+STEPS = 1920
 REFERENCES = (
     (500, "DiLoCo: 500x fewer bytes than DDP (Douillard et al. 2023, arXiv:2311.08105)"),
     (146 * 30, "SparseLoCo in Covenant-72B: payloads 146x smaller than fp32, H = 30: ~4400x "
@@ -143,7 +145,8 @@ def rows(reports: dict[tuple, dict]) -> list[dict]:
             outer = config["sparse_outer_options"] if algorithm == "diloco_sparse" else config["outer_options"]
             table.append({
                 "algorithm": algorithm, "H": None if algorithm == "ddp" else period,
-                "payload": PAYLOADS.get(algorithm, algorithm).format(top_k=config.get("top_k")),
+                "payload": PAYLOADS.get(algorithm, algorithm).format(top_k=config.get("top_k"),
+                                                                      block_size=config.get("block_size")),
                 "outer_lr": None if algorithm == "ddp" else outer["lr"], "data_passes": config["data_passes"],
                 "eval_loss": run["eval_loss"],
                 "bytes_per_worker": run["bytes_per_worker"], "loss_vs_ddp": run["eval_loss"] / ddp["eval_loss"],
