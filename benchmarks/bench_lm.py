@@ -9,9 +9,12 @@ into the output folder (default ``out/bench-lm``):
   with the same setup, so an interrupted study resumes, and measures again where the
   setup differs (other ``--steps``, algorithms, options);
 - ``study.json``: per configuration its algorithm, ``H``, payload, final held-out loss,
-  bytes sent per worker, and the ratios of both to DDP's; the study's wall time;
+  bytes sent per worker, and the ratios of both to DDP's; the study's wall time and the
+  most times a worker passed over its shard (``data_passes``, from each run's
+  ``config``);
 - ``study.md``: that table; ``study.png``: held-out loss against bytes sent per worker
-  (each run's evaluations as a curve, log scale).
+  (each run's evaluations as a curve, log scale), with the published points as
+  reference lines (:data:`REFERENCES`).
 
 ``make bench-lm`` runs it; ``--steps`` and ``--grid`` change the study (e.g.
 ``--grid 16:diloco,diloco_int4 64:diloco_int4``).
@@ -37,14 +40,25 @@ from pathlib import Path
 from typing import Callable
 
 GRID = (
-    (80, ("ddp", "diloco_int4", "diloco_int8"), ()),
-    (160, ("diloco_int4", "diloco_int8"), ()),
-    (16, ("diloco", "diloco_int4"), ()),
-    (80, ("diloco_int4",), ("--outer-lr", "1.0")),
+    (80, ("ddp", "diloco_int2", "diloco_int4"), ("--block-size", "256")),
+    (160, ("diloco_int2",), ("--block-size", "256")),
+    (80, ("diloco_int2",), ("--block-size", "256", "--outer-lr", "1.0")),
+    (16, ("diloco_sparse",), ("--outer-lr", "2.0")),
+    (64, ("diloco_sparse",), ("--top-k", "256", "--outer-lr", "2.0")),
 )
 """``(H, algorithms, further demo options)`` in the order run (DDP, which has no ``H``, once)."""
-PAYLOADS = {"ddp": "fp32 gradients", "diloco": "bf16", "diloco_int8": "int8", "diloco_int4": "4-bit"}
-STEPS = 960
+PAYLOADS = {"ddp": "fp32 gradients", "diloco": "bf16", "diloco_int8": "int8, blocks of {block_size}",
+            "diloco_int4": "4-bit, blocks of {block_size}", "diloco_int2": "2-bit, blocks of {block_size}",
+            "diloco_sparse": "{top_k} of 4096, 2-bit, no outer momentum"}
+STEPS = 1920
+REFERENCES = (
+    (500, "DiLoCo: 500x fewer bytes than DDP (Douillard et al. 2023, arXiv:2311.08105)"),
+    (146 * 30, "SparseLoCo in Covenant-72B: payloads 146x smaller than fp32, H = 30: ~4400x "
+               "(Lidin et al. 2026, arXiv:2603.08163; H from a secondary source)"),
+    (500 * 8, "MuLoCo: 2-bit, 8x fewer bytes than DiLoCo, at DiLoCo's 500x: 4000x (Therien et al. 2025, arXiv:2505.23725)"),
+)
+"""Published compression factors against DDP's bytes, ``(factor, label with source)``,
+drawn at DDP's bytes divided by the factor (docs/lm-study.md says how each is derived)."""
 
 
 def _grid(texts: list[str]) -> tuple:
@@ -126,11 +140,15 @@ def rows(reports: dict[tuple, dict]) -> list[dict]:
     ddp_losses = {e["step"]: e["loss"] for e in ddp["evaluations"]}
     table = []
     for (period, options), report in reports.items():
+        config = report["config"]
         for algorithm, run in report["algorithms"].items():
+            outer = config["sparse_outer_options"] if algorithm == "diloco_sparse" else config["outer_options"]
             table.append({
                 "algorithm": algorithm, "H": None if algorithm == "ddp" else period,
-                "payload": PAYLOADS.get(algorithm, algorithm),
-                "outer_lr": None if algorithm == "ddp" else report["config"]["outer_options"]["lr"], "eval_loss": run["eval_loss"],
+                "payload": PAYLOADS.get(algorithm, algorithm).format(top_k=config.get("top_k"),
+                                                                      block_size=config.get("block_size")),
+                "outer_lr": None if algorithm == "ddp" else outer["lr"], "data_passes": config["data_passes"],
+                "eval_loss": run["eval_loss"],
                 "bytes_per_worker": run["bytes_per_worker"], "loss_vs_ddp": run["eval_loss"] / ddp["eval_loss"],
                 "bytes_vs_ddp": run["bytes_per_worker"] / ddp["bytes_per_worker"],
                 "curve": [(e["bytes_per_worker"], e["loss"]) for e in run["evaluations"]],
@@ -171,9 +189,11 @@ def plot(table: list[dict], path: Path, title: str) -> None:
             axes.plot(points[-1][0], points[-1][1], "o", color=line.get_color())
     ddp = next(row for row in table if row["algorithm"] == "ddp")
     axes.axhline(ddp["eval_loss"], color="gray", linestyle=":", label="ddp's final loss")
-    axes.axvline(ddp["bytes_per_worker"] / 2**20 / 500, color="gray", linestyle="--", label="1/500 of ddp's bytes")
+    for (factor, label), style in zip(REFERENCES, ("--", "-.", ":")):
+        axes.axvline(ddp["bytes_per_worker"] / 2**20 / factor, color="black", linestyle=style, linewidth=0.8,
+                     label=label)
     axes.set(xscale="log", xlabel="bytes sent per worker (MiB, log)", ylabel="held-out loss (nats/char)", title=title)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -192,9 +212,11 @@ def main(argv: list[str] | None = None, run: Callable[[list[str]], None] = run_d
                 for period, algorithms, options in grid}
     reports, wall = {key: report for key, (report, _) in measured.items()}, sum(w for _, w in measured.values())
     table = rows(reports)
-    (args.output / "study.md").write_text(markdown(table) + "\n")
+    passes = max(row["data_passes"] for row in table)
+    (args.output / "study.md").write_text(f"{markdown(table)}\n\nEach worker passed over its shard at most {passes:.2f} times.\n")
     (args.output / "study.json").write_text(json.dumps(
         {"steps": args.steps, "world_size": 4, "extra_options": extra, "wall_s": wall,
+         "data_passes": passes,
           "rows": [{k: v for k, v in row.items() if k != "curve"} for row in table]}, indent=1))
     plot(table, args.output / "study.png", f"char-level GPT, 4 workers, {args.steps} steps: loss against bytes")
     print(markdown(table))

@@ -21,7 +21,8 @@ def _report(steps: int, algorithms: list[str]) -> dict:
     runs = {a: {"eval_loss": 2.0 + steps, "bytes_per_worker": 1000 * steps,
                 "evaluations": [{"step": steps, "loss": 2.0 + steps, "bytes_per_worker": 1000 * steps}]}
             for a in algorithms}
-    return {"config": {"steps": steps, "outer_options": {"lr": 0.7}}, "algorithms": runs}
+    return {"config": {"steps": steps, "outer_options": {"lr": 0.7}, "sparse_outer_options": {"lr": 1.5}, "top_k": 64,
+                       "data_passes": steps / 1000}, "algorithms": runs}
 
 
 class FakeDemo:
@@ -55,6 +56,7 @@ def test_a_kept_report_is_used_only_for_the_setup_it_was_measured_with(tmp_path)
         grid = argv[argv.index("--grid") + 1].split(":")[1].split(",")
         assert study["steps"] == 5 and sorted(row["algorithm"] for row in study["rows"]) == sorted(grid)
         assert {row["eval_loss"] for row in study["rows"]} == {7.0}  # the 5-step report's
+        assert study["data_passes"] == 0.005  # the most any run's workers passed over their shards
 
 
 def test_the_study_sums_the_wall_time_of_its_own_runs(tmp_path):

@@ -10,12 +10,20 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import puredist
 from puredist import SimulatedCollective
-from puredist.compression import compressed_averager, compressed_mean, int4_blocks, int8_blocks, top_k
+from puredist.compression import (
+    chunked_top_k,
+    compressed_averager,
+    compressed_mean,
+    int2_blocks,
+    int4_blocks,
+    int8_blocks,
+    top_k,
+)
 from workers import run_workers
 
 
@@ -26,9 +34,11 @@ def vectors(max_size=600):
     )
 
 
-@pytest.mark.parametrize("make, levels", [(int8_blocks, 127), (int4_blocks, 7)], ids=["int8", "int4"])
-@given(x=vectors(), block_size=st.sampled_from([2, 8, 64, 128]))
-def test_block_quantization_is_within_half_a_step_of_each_blocks_absmax(make, levels, x, block_size):
+@pytest.mark.parametrize("make, levels, multiple", [(int8_blocks, 127, 1), (int4_blocks, 7, 2), (int2_blocks, 1.5, 4)],
+                         ids=["int8", "int4", "int2"])
+@given(x=vectors(), block_size=st.sampled_from([2, 4, 8, 64, 128]))
+def test_block_quantization_is_within_half_a_step_of_each_blocks_absmax(make, levels, multiple, x, block_size):
+    assume(block_size % multiple == 0)
     codec = make(block_size)
     decoded = codec.decode(codec.encode(x), x.numel())
     for start in range(0, x.numel(), block_size):  # the oracle: block by block
@@ -48,7 +58,43 @@ def test_top_k_sends_exactly_the_largest_magnitudes(x, fraction):
     assert (x[kept].abs() >= threshold).all() and (x[~kept].abs() <= threshold).all()
 
 
-@pytest.mark.parametrize("codec", [int8_blocks(32), int4_blocks(32), top_k(0.1)], ids=["int8", "int4", "topk"])
+@given(x=vectors(max_size=3000), k=st.sampled_from([1, 2, 5, 64]), chunk_size=st.sampled_from([8, 100, 4096]))
+def test_chunked_top_k_sends_each_chunks_largest_as_their_signs_times_their_halfs_mean_magnitude(x, k, chunk_size):
+    # the oracle, brute force in fp64: the row cut into equal chunks (the last zero-padded), each chunk's values
+    # sorted by magnitude; the first ceil(kept / 2) decode to their mean magnitude, the rest of the kept to theirs
+    assume(k <= chunk_size)
+    n = x.numel()
+    count = math.ceil(n / chunk_size)
+    length = math.ceil(n / count)
+    kept = min(length, math.ceil(k * length / chunk_size))
+    decoded = chunked_top_k(k, chunk_size).decode(chunked_top_k(k, chunk_size).encode(x), n).double()
+    padded = torch.nn.functional.pad(x.double(), (0, count * length - n))
+    for c in range(count):
+        block, back = padded[c * length:(c + 1) * length], decoded[c * length:min((c + 1) * length, n)]
+        magnitudes = block.abs().sort(descending=True).values
+        half = (kept + 1) // 2
+        high, low = magnitudes[:half].mean(), magnitudes[half:kept].mean() if kept > half else magnitudes[:half].mean()
+        expected = torch.where(block.abs() >= magnitudes[half - 1], high,
+                               torch.where(block.abs() >= magnitudes[kept - 1], low, 0.0)) * block.sign()
+        clear = (block != 0) & ~torch.isin(block.abs(), magnitudes[[half - 1, kept - 1]])  # (no tie at a boundary)
+        clear = clear[: back.numel()]
+        torch.testing.assert_close(back[clear], expected[: back.numel()][clear], rtol=1e-6, atol=0)
+        assert int((back != 0).sum()) <= kept
+
+
+@given(values=st.lists(st.integers(0, 2**16 - 1), max_size=40), bits=st.integers(1, 16))
+def test_bits_are_packed_as_one_little_endian_stream(values, bits):
+    from puredist.compression.codecs import _bits_packed, _bits_unpacked
+
+    values = [v % 2**bits for v in values]
+    packed = _bits_packed(torch.tensor(values, dtype=torch.int64), bits)
+    stream = sum(v << (i * bits) for i, v in enumerate(values))  # the oracle: Python's integers
+    assert packed.dtype == torch.uint8 and packed.tolist() == list(stream.to_bytes(math.ceil(len(values) * bits / 8), "little"))
+    assert _bits_unpacked(packed, bits, len(values)).tolist() == values
+
+
+@pytest.mark.parametrize("codec", [int8_blocks(32), int4_blocks(32), int2_blocks(32), top_k(0.1), chunked_top_k(2, 8)],
+                         ids=["int8", "int4", "int2", "topk", "chunked"])
 def test_error_feedback_telescopes_what_was_sent_to_the_true_sum(codec):
     replicas, steps = 4, 12
     gen = torch.Generator().manual_seed(0)
@@ -118,8 +164,8 @@ def _near_fp32s_largest(replicas):
 
 
 @pytest.mark.parametrize("replicas", [3, 5, 7])
-@pytest.mark.parametrize("codec", [int8_blocks(4), int4_blocks(4), top_k(0.25), top_k(1.0)],
-                         ids=["int8", "int4", "topk0.25", "topk1"])
+@pytest.mark.parametrize("codec", [int8_blocks(4), int4_blocks(4), top_k(0.25), top_k(1.0), chunked_top_k(3, 8)],
+                         ids=["int8", "int4", "topk0.25", "topk1", "chunked"])
 def test_values_near_fp32s_largest_carry_what_was_not_sent_exactly_or_are_refused_unchanged(codec, replicas):
     # the owner's residual is W times what phase 2 lost: top-k dropping a mean entry above FLT_MAX / W needs one
     # beyond fp32's largest (at 5 replicas the mean 0 where the true mean was 2.9e38); saturated at FLT_MAX, error
@@ -230,14 +276,15 @@ def test_a_state_gone_non_finite_is_refused_with_what_to_do():
     assert "(its residual)" not in str(error.value)
 
 
-@pytest.mark.parametrize("codec, bound", [(int8_blocks(32), 0.02), (int4_blocks(32), 0.2), (top_k(0.05), 0.05)],
-                         ids=["int8", "int4", "topk"])
+@pytest.mark.parametrize("codec, bound", [(int8_blocks(32), 0.02), (int4_blocks(32), 0.2), (int2_blocks(32), 0.7),
+                                          (top_k(0.05), 0.05), (chunked_top_k(2, 128), 0.05)],
+                         ids=["int8", "int4", "int2", "topk", "chunked"])
 def test_one_compressed_mean_is_near_the_true_mean(codec, bound):
     # error feedback alone cannot tell an averager that sends nothing (mean 0, all in the residual) from one
     # that works; the first mean, from zero residuals, must be near the true one (each replica's own value is
     # 0.6 away, sending nothing 1.0)
     gen = torch.Generator().manual_seed(0)
-    if codec.name.startswith("top_k"):  # a few entries carry the mean (one per owner's chunk): top-k keeps them
+    if "top_k" in codec.name:  # a few entries carry the mean (one per owner's chunk, per 128 values): top-k keeps them
         x = 0.01 * torch.randn(4, 512, generator=gen)
         x[:, torch.tensor([3, 140, 270, 400])] += 5 * torch.randn(4, 4, generator=gen)
     else:
@@ -255,10 +302,16 @@ def test_payloads_are_as_small_as_the_format_says():
     assert nbytes(int8_blocks(128).encode(x)) == 1024 + 4 * 8
     assert nbytes(int4_blocks(128).encode(x)) == 512 + 4 * 8
     assert nbytes(top_k(0.01).encode(x)) == 8 * 11
+    assert nbytes(int2_blocks(128).encode(x)) == 256 + 4 * 8
+    # 4 chunks of 256, 16 values each: 8-bit indices, a sign bit, two fp32 magnitudes a chunk
+    assert nbytes(chunked_top_k(16, 256).encode(x)) == 4 * 16 + 4 * 16 // 8 + 4 * 2 * 4
+    big = torch.randn(430_000)  # the language model's size: 105 chunks of 4096, 64 values each, 12-bit indices
+    assert 4 * big.numel() / nbytes(chunked_top_k(64, 4096).encode(big)) > 146
     assert nbytes(int8_blocks(128).encode(x)) / (4 * 1024) < 0.26
 
 
-CODECS = {"int8": int8_blocks(16), "int4": int4_blocks(16), "topk": top_k(0.2)}
+CODECS = {"int8": int8_blocks(16), "int4": int4_blocks(16), "int2": int2_blocks(16), "topk": top_k(0.2),
+          "chunked": chunked_top_k(3, 8)}
 
 
 def _steps(rows_of, codec, collective, steps=3):
@@ -321,6 +374,12 @@ def test_bad_settings_and_inputs_are_refused():
         int4_blocks(3)
     with pytest.raises(ValueError, match=r"``fraction`` must be in \(0, 1\], got 1.5"):
         top_k(1.5)
+    with pytest.raises(ValueError, match=r"``block_size`` must be a multiple of 4 \(four values a byte\), got 6"):
+        int2_blocks(6)
+    with pytest.raises(ValueError, match="``k`` must be a positive int, got 0"):
+        chunked_top_k(0)
+    with pytest.raises(ValueError, match=r"``k`` must be an int in \[1, 8\] \(values sent of each chunk of "):
+        chunked_top_k(10, 8)
     averager = compressed_averager(int8_blocks())
     with pytest.raises(TypeError, match="leaf 0 has dtype torch.int64"):
         averager.update([torch.ones(2, 3, dtype=torch.int64)], averager.init([torch.ones(2, 3)]),
@@ -363,7 +422,8 @@ def _wire_bytes(rank, world_size):
     collective = puredist.DistributedCollective()
     x = [torch.randn(2**20, generator=torch.Generator().manual_seed(rank))]
     measured = {}
-    for name, codec in (("int8", int8_blocks(128)), ("int4", int4_blocks(128)), ("topk", top_k(0.01))):
+    for name, codec in (("int8", int8_blocks(128)), ("int4", int4_blocks(128)), ("topk", top_k(0.01)),
+                        ("chunked", chunked_top_k(64, 4096))):
         averager = compressed_averager(codec)
         state = averager.init(x)
         meter = ByteMeter()
@@ -381,15 +441,18 @@ def _wire_bytes(rank, world_size):
 def test_bytes_on_the_wire_shrink_as_the_format_says(world_size):
     """Measured at the socket (each process's wchar) on Gloo ranks, 1 Mi floats: the
     ratios to an fp32 all-reduce hold at any world size (an all-gather of whole payloads
-    would send (W - 1) of them: 0.52x fp32 for int8 at W = 4)."""
+    would send (W - 1) of them: 0.52x fp32 for int8 at W = 4). The chunked top-k's are
+    gathered: (W - 1) payloads of 1/146 of fp32's bytes, W / 292 of the all-reduce's."""
     measured = max(run_workers(_wire_bytes, world_size), key=lambda m: m["int8"])  # the busiest rank
     fp32 = measured["fp32"]  # a ring all-reduce sends 2 (W - 1) / W times the tensor's 4 MiB
     assert fp32 >= 2 * (world_size - 1) / world_size * 4 * 2**20
     assert measured["int8"] < 0.28 * fp32 and measured["int4"] < 0.16 * fp32 and measured["topk"] < 0.03 * fp32
+    assert world_size / 292 * fp32 < measured["chunked"] < world_size / 280 * fp32
 
 
-def test_non_finite_values_are_refused_before_anything_is_sent():
-    averager = compressed_averager(int4_blocks(4))
+@pytest.mark.parametrize("codec", [int4_blocks(4), chunked_top_k(1, 4)], ids=["int4", "chunked"])
+def test_non_finite_values_are_refused_before_anything_is_sent(codec):
+    averager = compressed_averager(codec)
     x = torch.ones(2, 6)
     x[0, 1] = float("inf")
     state = averager.init(x)
@@ -409,12 +472,12 @@ def test_one_rank_keeps_its_values_and_leaves_nothing_over():
 
 
 def test_empty_payloads_and_rounding_of_k():
-    for codec in (int8_blocks(4), int4_blocks(4), top_k(0.5)):
+    for codec in (int8_blocks(4), int4_blocks(4), int2_blocks(4), top_k(0.5), chunked_top_k(2, 4)):
         assert codec.decode(codec.encode(torch.zeros(0)), 0).numel() == 0
     assert top_k(0.07).encode(torch.randn(100))[0].numel() == 7  # 0.07 * 100 is 7.000000000000001
 
 
-def _peer_dies_in(phase, rank, world_size):
+def _peer_dies_in(phase, codec, rank, world_size):
     import os
     import signal
 
@@ -423,21 +486,23 @@ def _peer_dies_in(phase, rank, world_size):
 
     if rank == 1:  # passes the rank check (and phase 1, when dying in phase 2), then dies instead of sending
         setattr(puredist.compression.phases, phase, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
-    averager = compressed_averager(int8_blocks(16))
+    averager = compressed_averager(codec)
     x = [torch.randn(64)]
     state = averager.init(x)
     try:
         averager.update(x, state, collective=puredist.DistributedCollective())
     except puredist.CollectiveError as error:
-        stage = {"_exchanged_chunks": "its all-to-all (phase 1)", "_gathered_payloads": "its all-gather (phase 2)"}[phase]
+        stage = {"_exchanged_chunks": "its all-to-all (phase 1)", "_gathered_payloads": "its all-gather"}[phase]
         return (f"failed in {stage}" in str(error) and "No tensor holds a partial result" in str(error)
                 and error.completed_elements == (0,)) or str(error)
     return "returned normally"
 
 
-@pytest.mark.parametrize("phase", ["_exchanged_chunks", "_gathered_payloads"])
-def test_a_peer_dying_mid_exchange_is_a_collective_error_and_changes_nothing(phase):
-    results = run_workers(functools.partial(_peer_dies_in, phase), 3, victims=(1,), timeout=60, gloo_timeout=10)
+@pytest.mark.parametrize("phase, codec", [("_exchanged_chunks", int8_blocks(16)), ("_gathered_payloads", int8_blocks(16)),
+                                          ("_gathered_payloads", chunked_top_k(4, 16))],
+                         ids=["phase 1", "phase 2", "gathered"])
+def test_a_peer_dying_mid_exchange_is_a_collective_error_and_changes_nothing(phase, codec):
+    results = run_workers(functools.partial(_peer_dies_in, phase, codec), 3, victims=(1,), timeout=60, gloo_timeout=10)
     assert results[0] is True and results[2] is True
 
 

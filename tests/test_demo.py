@@ -36,8 +36,8 @@ def tiny_run(tmp_path_factory):
     return done, out
 
 
-ALGORITHMS = ["ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk",
-              "diloco_ft"]
+ALGORITHMS = ["ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_int2",
+              "diloco_sparse", "diloco_ft"]
 
 
 def test_the_demo_trains_every_algorithm_and_writes_its_report(tiny_run):
@@ -85,9 +85,9 @@ def test_the_measured_bytes_follow_the_algorithms(tiny_run):
     # streaming DiLoCo sends each fragment as often as DiLoCo sends the whole model: the
     # same bytes in twice the messages, within the fixed overhead of each
     assert 0.7 < runs["streaming"]["bytes_per_worker"] / runs["diloco"]["bytes_per_worker"] < 1.5
-    # int8, 4-bit, top-1 %: less and less (the rest is fixed overhead)
-    sent = [runs[a]["bytes_per_worker"] for a in ("diloco", "diloco_int8", "diloco_int4", "diloco_topk")]
-    assert sent == sorted(sent, reverse=True) and len(set(sent)) == 4
+    # int8, 4-bit, 2-bit, 64 values of 4096: less and less (the rest is fixed overhead)
+    sent = [runs[a]["bytes_per_worker"] for a in ("diloco", "diloco_int8", "diloco_int4", "diloco_int2", "diloco_sparse")]
+    assert sent == sorted(sent, reverse=True) and len(set(sent)) == 5
     # over torchft: the same synchronizations, with the quorums' and heartbeats' bytes instead of the rank checks'
     assert 0.7 < runs["diloco_ft"]["bytes_per_worker"] / runs["diloco"]["bytes_per_worker"] < 1.5
     # and without a fault the same training: the same model, up to the order of the sums
@@ -210,14 +210,17 @@ def test_a_period_only_streaming_cannot_run_trains_the_algorithms_asked_for(tmp_
 
 
 def test_the_study_options_reach_the_workers_and_the_record(tmp_path):
-    options = ["--world-size", "2", "--steps", "20", "--algorithms", "periodic,diloco_int4", "--sync-every", "5",
-               "--warmup-steps", "3", "--inner-lr", "0.02", "--outer-lr", "0.5", "--outer-momentum", "0.25",
-               "--block-size", "32"]
+    options = ["--world-size", "2", "--steps", "20", "--algorithms", "periodic,diloco_int4,diloco_sparse",
+               "--sync-every", "5", "--warmup-steps", "3", "--inner-lr", "0.02", "--outer-lr", "0.5",
+               "--outer-momentum", "0.25", "--block-size", "32", "--top-k", "16"]
     _, runs = run_demo(tmp_path, *options, timeout=240)
     config = json.loads((tmp_path / "results.json").read_text())["config"]
     assert (config["period"], config["warmup_steps"], config["block_size"]) == (5, 3, 32)
     assert config["optimizer_options"] == {"lr": 0.02, "momentum": 0.9}
     assert config["outer_options"] == {"lr": 0.5, "momentum": 0.25, "nesterov": True}
+    assert config["sparse_outer_options"] == {"lr": 0.5, "momentum": 0.25, "nesterov": True} and config["top_k"] == 16
+    # 20 minibatches of 32 digits of a shard of 719 (the 1438 training digits between 2 workers), with replacement
+    assert config["data_passes"] == pytest.approx(20 * 32 / 719)
     # after inner step k (1-based): torch's periodic rule at the averager's count k - 1 (k - 1 >= warmup and
     # (k - 1 - warmup) % H == 0), DiLoCo's at the count of completed inner steps (k >= warmup and (k - warmup) % H
     # == 0); a synchronization sends kilobytes (the 4810-parameter model: 20 KB in fp32, 4 KB in 4-bit), the
@@ -340,7 +343,7 @@ def test_each_projected_table_explains_its_mark_in_a_line_of_its_own():
     assert "lowest evaluation within the time" in lines[rows[1] + 1]  # why a run that ends lower is not marked
 
 
-def test_outer_options_are_the_papers_then_the_tasks_then_the_knobs():
+def test_outer_options_are_the_papers_or_sparselocos_then_the_tasks_then_the_knobs():
     from puredist.demo import charlm, digits
     from puredist.demo.knobs import Knobs, outer_options
     from puredist.demo.training import refusal
@@ -351,6 +354,9 @@ def test_outer_options_are_the_papers_then_the_tasks_then_the_knobs():
     # no momentum: plain SGD on the pseudo-gradient (Nesterov needs one), which runs
     assert outer_options(Knobs(outer_momentum=0.0), digits.TASK) == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
     assert refusal(digits.TASK, Knobs(outer_momentum=0.0), 4, ["diloco", "streaming", "diloco_int8"]) is None
+    # diloco_sparse: SparseLoCo's step (no momentum: error feedback stands in), not the task's; the knobs still apply
+    assert outer_options(Knobs(), digits.TASK, sparse=True) == {"lr": 1.5, "momentum": 0.0, "nesterov": False}
+    assert outer_options(Knobs(outer_lr=2.0), charlm.TASK, sparse=True) == {"lr": 2.0, "momentum": 0.0, "nesterov": False}
 
 
 def test_help_explains_the_options():

@@ -3,6 +3,7 @@ split and causal model, the projection's arithmetic, and a short LM run end to e
 
 import json
 import math
+import pathlib
 import subprocess
 
 import pytest
@@ -17,11 +18,10 @@ SIZES = pytest.mark.parametrize("size", [charlm.SMALL, charlm.LARGE], ids=["lm",
 
 @SIZES
 def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail(size):
-    text, vocabulary = charlm.corpus()
-    assert len(text) > 300_000 and vocabulary == "".join(sorted(set(text)))
+    codes, vocabulary = charlm.corpus()
+    assert len(codes) > 5_000_000 and vocabulary == charlm.VOCABULARY and int(codes.max()) < len(vocabulary)
     world_size = 4
-    shards = [charlm.load(0, rank, world_size, size)[0] for rank in range(world_size)]
-    codes = charlm.encode(text, vocabulary)
+    shards = [charlm.load(0, rank, world_size, size)[0].shard for rank in range(world_size)]
     split = int(len(codes) * (1 - charlm.HELD_OUT_FRACTION))
     # the shards tile the training part in rank order; nothing of the held-out tail is in them
     assert torch.equal(torch.cat(shards), codes[: sum(len(s) for s in shards)])
@@ -35,16 +35,44 @@ def test_the_corpus_splits_into_disjoint_shards_and_a_held_out_tail(size):
         assert torch.equal(window_in[1:], window_out[:-1])  # targets: the next characters
 
 
+def test_the_corpus_is_the_standard_librarys_own_files_in_an_order_fixed_by_their_paths(tmp_path):
+    import hashlib
+    import sysconfig
+
+    files = ["a.py", "json/decoder.py", "test/test_a.py", "tkinter/font.py", "encodings/cp1252.py", "b.txt",
+             "site-packages/x.py", "config-3.11-x86_64-linux-gnu/python-config.py", "_sysconfigdata__linux.py",
+             "turtle.py", "unittest/test/test_case.py", "email/mime/text.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    kept = ["a.py", "json/decoder.py", "email/mime/text.py"]  # the rest: tests, split off, built here, not .py
+    assert charlm.sources(str(tmp_path)) == sorted(kept, key=lambda p: hashlib.sha256(p.encode()).hexdigest())
+    # the corpus is those files of the running interpreter, each ending in one newline, in that order
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    first, second = charlm.sources()[:2]
+    text = [(root / path).read_text(encoding="utf-8").rstrip("\n") + "\n" for path in (first, second)]
+    head = charlm.encode("".join(text), charlm.VOCABULARY)
+    assert torch.equal(charlm.corpus()[0][: len(head)], head)
+    assert charlm.encode("ab\u2019\n", charlm.VOCABULARY).tolist() == [charlm.VOCABULARY.index(c) for c in "ab"] + [0, 2]
+
+
 @SIZES
-def test_minibatches_are_next_character_pairs_from_the_shard(size):
-    shard = charlm.load(0, 1, 4, size)[0]
-    inputs, targets = charlm.sample(shard, torch.Generator().manual_seed(3), size)
+def test_minibatches_are_next_character_pairs_read_front_to_back_each_character_once_a_pass(size):
+    stream = charlm.load(0, 1, 4, size)[0]
+    inputs, targets = charlm.sample(stream, torch.Generator().manual_seed(3))
     assert inputs.shape == (size.batch_size, size.context)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    every_window = shard.unfold(0, size.context + 1, 1)
-    for x, y in zip(inputs, targets):
-        drawn = torch.cat([x, y[-1:]])
-        assert (every_window == drawn).all(dim=1).any()  # a window of this rank's own shard
+    positions = charlm.Stream(torch.arange(len(stream.shard)), size)  # the same reading, of positions
+    read = [charlm.sample(positions) for _ in range(min(positions.windows_per_row, 50))]
+    seen = torch.cat([torch.cat([x, y[:, -1:]], dim=1).flatten() for x, y in read])
+    assert len(seen) == len(set(seen.tolist()))  # no character twice within a pass
+    codes = charlm.Stream(stream.shard, size)  # the codes at those positions, minibatch by minibatch
+    for x, y in read[:3]:
+        codes_x, codes_y = charlm.sample(codes)
+        assert torch.equal(stream.shard[x].long(), codes_x) and torch.equal(stream.shard[y].long(), codes_y)
+    assert positions.passes(positions.windows_per_row) == 1.0
+    # the study's 960 steps (4 workers) read less than each worker's shard once
+    assert charlm.data_passes(960, 4, charlm.SMALL) < 1.0
 
 
 @pytest.mark.parametrize("task, parameters", [(charlm.TASK, (300_000, 1_000_000)),

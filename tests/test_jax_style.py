@@ -188,7 +188,8 @@ def test_the_vmap_exchanges_read_the_replica_axis_where_vmap_maps_it():
 
 
 CODECS = {"int8": lambda: puredist.compression.int8_blocks(8), "int4": lambda: puredist.compression.int4_blocks(8),
-          "top_k": lambda: puredist.compression.top_k(0.3)}
+          "int2": lambda: puredist.compression.int2_blocks(8), "top_k": lambda: puredist.compression.top_k(0.3),
+          "chunked_top_k": lambda: puredist.compression.chunked_top_k(2, 8)}
 
 
 def _codec_runs(codec, steps, *, compiled):
@@ -240,8 +241,9 @@ def test_a_non_finite_value_under_vmap_makes_every_replicas_mean_non_finite(code
         puredist.compression.compressed_mean([x], (residuals,), compressor, SimulatedCollective(R), context="step 0")
 
 
-def test_the_compiled_diloco_step_with_a_codec_equals_the_simulated_one():
-    ours, simulated = _codec_runs(CODECS["int4"](), 4, compiled=True)
+@pytest.mark.parametrize("codec", ["int4", "chunked_top_k"])
+def test_the_compiled_diloco_step_with_a_codec_equals_the_simulated_one(codec):
+    ours, simulated = _codec_runs(CODECS[codec](), 4, compiled=True)
     assert _max_error(ours, simulated) == 0.0
 
 

@@ -194,14 +194,14 @@ def test_a_compressor_and_a_comm_dtype_are_exclusive():
         diloco(compressor="int8")
 
 
-@pytest.mark.parametrize("codec", ["int4", "topk"])
+@pytest.mark.parametrize("codec", ["int4", "topk", "chunked"])
 def test_each_sync_sends_the_pseudo_gradient_plus_the_residual_left_by_the_last(codec):
     # oracle: with outer sgd(lr=1) every synchronization is g <- g - mean(g - l), the mean taken by the
     # compressed averager (its error feedback tested on its own); DiLoCo must feed each sync's residuals into
     # the next (a lossy codec's error otherwise is lost for good)
     from puredist.compression import compressed_averager
 
-    compressor = {"int4": puredist.int4_blocks(16), "topk": puredist.top_k(0.1)}[codec]
+    compressor = {"int4": puredist.int4_blocks(16), "topk": puredist.top_k(0.1), "chunked": puredist.chunked_top_k(2, 8)}[codec]
     replicas, gen = 3, torch.Generator().manual_seed(0)
     params = [torch.randn(1, 40, generator=gen).expand(replicas, 40).clone()]
     diloco = puredist.outer_optimizer(puredist.sgd(lr=1.0), sync_every=1, compressor=compressor)

@@ -134,6 +134,7 @@ DIVISOR = Rule(lambda v, b: v >= 1 and b["world_size"] % v == 0, ValueError,
                "got {value}.")
 POSITIVE_INT = Rule(lambda v, b: _is_int(v) and v >= 1, ValueError, "Arg ``{arg}`` must be a positive int, got {value!r}.")
 EVEN = Rule(lambda v, b: v % 2 == 0, ValueError, "Arg ``{arg}`` must be even ({why}), got {value}.")
+MULTIPLE = Rule(lambda v, b: v % b["of"] == 0, ValueError, "Arg ``{arg}`` must be a multiple of {of} ({why}), got {value}.")
 FRACTION = Rule(lambda v, b: _is_number(v) and 0 < v <= 1, ValueError, "Arg ``{arg}`` must be in (0, 1], got {value!r}.")
 HOLDS = Rule(lambda v, b: v == b["count"], ValueError,  # ``value``: how many the argument holds
              "Arg ``{arg}`` holds {value} {what} for {count} {per}{where}.")

@@ -2,13 +2,17 @@
 
 A :class:`Compressor` turns a flat fp32 tensor into a small payload and back:
 
-- :func:`int8_blocks` / :func:`int4_blocks`: block-wise absmax quantization, one fp32
-  scale per block of ``block_size`` values (int4: two values a byte). Per element,
-  ``|x - decode(encode(x))| <= absmax(block) / (2 * levels)`` (levels: 127, 7; for
-  scales in fp32's normal range: a block of subnormals rounds coarser); a block holding
-  an inf or NaN has a non-finite scale, so decodes non-finite.
+- :func:`int8_blocks` / :func:`int4_blocks` / :func:`int2_blocks`: block-wise absmax
+  quantization, one fp32 scale per block of ``block_size`` values (int4: two values a
+  byte, int2: four, at 4 levels without a zero). Per element, ``|x - decode(encode(x))|
+  <= absmax(block) / (2 * levels)`` (levels: 127, 7, 1.5; for scales in fp32's normal
+  range: a block of subnormals rounds coarser); a block holding an inf or NaN has a
+  non-finite scale, so decodes non-finite.
 - :func:`top_k`: the ``ceil(fraction * n)`` values of largest magnitude and their
   indices (int32); the rest are sent as zeros.
+- :func:`chunked_top_k`: SparseLoCo's payload, the ``k`` largest of each chunk of
+  ``chunk_size`` values as small indices, a sign bit each and two magnitudes a chunk
+  (1/146 of fp32's bytes at 64 of 4096); averaged by gathering (below).
 
 :func:`compressed_averager` averages a parameter (or pseudo-gradient) pytree over the
 ``W`` ranks with those payloads, in two phases, like a reduce-scatter then an all-gather:
@@ -36,16 +40,21 @@ of other float dtypes enter as fp32 and their means are cast back, so what that 
 loses (a 16-bit leaf's rounding, an fp64 leaf's digits beyond fp32's) is outside the
 feedback.
 
-Over a torchft quorum (:class:`puredist.ft.ManagerCollective`), whose members change
-between calls, there are no fixed chunk owners: every contributing replica's whole row,
-compressed, is gathered by all, and each decodes the rows and takes their mean in quorum
-order (one phase; ``W - 1`` payloads per replica). A row's residual is what its payload
-lost, so error feedback telescopes as above.
+A compressor whose payloads are sparse (:attr:`Compressor.gathered`: the mean of ``W``
+sparse payloads is not sparse, and compressed again by its owner would lose most of
+itself) and any compressor over a torchft quorum (:class:`puredist.ft.ManagerCollective`,
+whose members change between calls: no fixed chunk owners) take one phase instead:
+every rank's whole row, compressed, is gathered by all, and each decodes the rows and
+takes their mean in rank (quorum) order, the same bits everywhere (``W - 1`` payloads
+per rank). A row's residual is what its payload lost, so error feedback telescopes as
+above, and no residual can exceed fp32's range.
 
 Bytes on the wire per rank: ``2 (W - 1) / W`` payloads of the whole tensor, as a ring
 all-reduce sends ``2 (W - 1) / W`` tensors: the format's ratio (payload of ``n`` floats:
-int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, top-k ``8 k``; top-k
-selects within each chunk).
+int8 ``n + 4 n / block_size``, int4 ``n / 2 + 4 n / block_size``, int2 ``n / 4 + 4 n /
+block_size``, top-k ``8 k``; top-k selects within each chunk); gathered, ``W - 1``
+payloads per rank (chunked top-k: ``k (bits + 1) / 8 + 8`` bytes a chunk, ``bits`` the
+index's, 12 for chunks of 4096).
 
 One concern a module: :mod:`puredist.compression.codecs` (the codes),
 :mod:`puredist.compression.phases` (how payloads travel and are averaged),
@@ -61,14 +70,24 @@ from puredist.compression.averager import (
     compressed_mean,
     compressed_mean_flat_,
 )
-from puredist.compression.codecs import Compressor, check_compressor, int4_blocks, int8_blocks, top_k
+from puredist.compression.codecs import (
+    Compressor,
+    check_compressor,
+    chunked_top_k,
+    int2_blocks,
+    int4_blocks,
+    int8_blocks,
+    top_k,
+)
 
 __all__ = [
     "CompressedAverager",
     "CompressionState",
     "Compressor",
     "compressed_averager",
+    "chunked_top_k",
     "compressed_mean",
+    "int2_blocks",
     "int4_blocks",
     "int8_blocks",
     "top_k",

@@ -18,7 +18,9 @@ from puredist._layout import Layout, layout_of, views_like
 from puredist._validation import Rule, check
 from puredist.collectives import Collective, DistributedCollective, SimulatedCollective, refusing
 from puredist.compression.codecs import Compressor, check_compressor
-from puredist.compression.phases import exchanged_mean, gathered_mean, raise_non_finite, two_phase_mean
+from puredist.compression.phases import (
+    exchanged_gather, exchanged_mean, gather_mean, gathered_mean, raise_non_finite, two_phase_mean,
+)
 from puredist.errors import RankMismatchError
 from puredist.tree import PyTree, tree_flatten, tree_unflatten
 
@@ -182,7 +184,7 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
     ``residuals``, end to end): the rank check over ``given`` (with any rank's
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""
     if _exchanges(collective):  # one program: no rank to check against, no value read on the host
-        return exchanged_mean(rows, compressor, collective)
+        return (exchanged_gather if compressor.gathered else exchanged_mean)(rows, compressor, collective)
     context = str(context)
     finite = bool(torch.isfinite(rows).all())
     where = "" if finite else "inf or NaN in " + ", ".join(
@@ -203,6 +205,8 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
         raise_non_finite([f"this rank: {where}"], context)
     if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
         return rows[0], torch.zeros_like(rows)
+    if compressor.gathered:
+        return gather_mean(rows, compressor, collective, simulated, leaves)
     return two_phase_mean(rows, compressor, collective, simulated, leaves, context)
 
 

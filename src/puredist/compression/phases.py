@@ -1,6 +1,8 @@
 """How compressed payloads travel and are averaged: the two phases over fixed chunk
 owners (an all-to-all, then an all-gather; over real ranks, simulated ones, or a
-``vmap``'s replica axis) and the one gather over a torchft quorum,
+``vmap``'s replica axis), or one gather of every rank's whole payload (for a
+compressor that asks for it, :attr:`~puredist.compression.Compressor.gathered`, and
+over a torchft quorum),
 each returning the mean every rank gets and what this rank's payloads lost (its next
 residual). The package docstring (:mod:`puredist.compression`) states the rule.
 
@@ -54,14 +56,11 @@ def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
 
 def gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
                    context: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, left)`` of this replica's row (``[1, numel]``) by one phase: every
-    contributing replica's whole row, compressed, gathered by all; the mean of the
-    decoded rows in quorum order (the same bits everywhere); what this row's payload
-    lost is its residual. Bytes per replica: ``W - 1`` payloads (the two phases send
-    ``2 (W - 1) / W``). A replica with non-finite values refuses in the quorum's
-    rank check (and sends zeros), so that every replica raises the same ``ValueError``
-    before any payload is read."""
-    numel = rows.shape[1]
+    """``(mean, left)`` of this replica's row (``[1, numel]``) over a torchft quorum:
+    every contributing replica's whole row, compressed, gathered by all
+    (:func:`gather_mean`'s rule, in quorum order). A replica with non-finite values
+    refuses in the quorum's rank check (and sends zeros), so that every replica raises
+    the same ``ValueError`` before any payload is read."""
     payload = compressor.encode(rows[0] if finite else torch.zeros_like(rows[0]))
     try:
         gathered = collective.all_gather_rows(list(payload), context=context, refused=not finite)
@@ -71,8 +70,40 @@ def gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collec
         if not finite:  # (it voted against the step: not committed)
             raise_non_finite([f"this replica: {context.split(REFUSED)[-1]}"], context)
         raise
-    mean = _mean_in_rank_order([compressor.decode(tuple(row), numel) for row in gathered])
-    return mean, rows - compressor.decode(payload, numel)
+    return _decoded_mean(gathered, compressor, rows.shape[1]), rows - compressor.decode(payload, rows.shape[1])
+
+
+def gather_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, simulated: bool,
+                leaves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` of ``rows`` (``[count, numel]``, one row per simulated rank or
+    this rank's) by one phase: every rank's whole row, compressed, gathered by every
+    rank (an all-gather), and the mean of the decoded rows in rank order (the same
+    bits everywhere); what a row's payload lost is its residual. Bytes per rank:
+    ``W - 1`` payloads. ``leaves`` only name what a failed collective left unchanged."""
+    payloads = [compressor.encode(row) for row in rows]
+    if simulated:
+        gathered = payloads
+    else:
+        try:
+            gathered = _gathered_payloads(payloads[0], collective)
+        except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather") from error
+    sent = torch.stack([compressor.decode(payload, rows.shape[1]) for payload in payloads])
+    return _decoded_mean(gathered, compressor, rows.shape[1]), rows - sent
+
+
+def exchanged_gather(rows: torch.Tensor, compressor: Compressor, collective: Collective) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_mean` of this replica's row (``[1, numel]``) over a replica axis
+    (:class:`~puredist.VmapCollective`'s ``all_gather``)."""
+    payload = compressor.encode(rows[0])
+    gathered = collective.all_gather(list(payload))  # row q: replica q's payload
+    rows_of = [tuple(t[q] for t in gathered) for q in range(collective.world_size)]
+    return _decoded_mean(rows_of, compressor, rows.shape[1]), rows - compressor.decode(payload, rows.shape[1])
+
+
+def _decoded_mean(payloads: list[Payload], compressor: Compressor, numel: int) -> torch.Tensor:
+    """The mean of ``payloads`` decoded, in list order (:func:`_mean_in_rank_order`)."""
+    return _mean_in_rank_order([compressor.decode(tuple(payload), numel) for payload in payloads])
 
 
 def raise_non_finite(where: list[str], context: str) -> None:

@@ -78,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
             "(post-local SGD: average every H steps), hierarchical (pairs every H/4 steps, everybody "
             "every H), zero (ZeRO optimizer step overlapped with DDP), diloco (outer Nesterov SGD on "
             "bf16 pseudo-gradients every H steps), streaming (DiLoCo in 2 fragments, each applied 2 "
-            "steps after it starts), diloco_int8, diloco_int4, diloco_topk (int8, 4-bit, top-1% "
-            "pseudo-gradients with error feedback), diloco_ft (diloco over torchft, one replica group per worker, "
+            "steps after it starts), diloco_int8, diloco_int4, diloco_int2 (int8, 4-bit, 2-bit pseudo-gradients with error "
+            "feedback), "
+            "diloco_sparse (SparseLoCo: 64 values of each 4096, 2-bit, error feedback, outer SGD lr 1.5 without "
+            "momentum), diloco_ft (diloco over torchft, one replica group per worker, "
             "a lighthouse started here; with --kill-worker a worker is killed, restarts, heals and rejoins), "
             "torchft_diloco (for comparison, on request: torchft's own DiLoCo with torch.optim, fp32 "
             "pseudo-gradients, no warm-up)."
@@ -158,7 +160,7 @@ def _run_config(args: argparse.Namespace, task) -> dict:
     import torch
 
     from puredist import __version__
-    from puredist.demo.knobs import block_size, outer_options
+    from puredist.demo.knobs import block_size, outer_options, top_k
     from puredist.demo.training import STREAMING_DELAY, STREAMING_FRAGMENTS
 
     knobs = _knobs(args)
@@ -168,8 +170,10 @@ def _run_config(args: argparse.Namespace, task) -> dict:
         "algorithms": args.algorithms, "device": args.device, "backend": args.backend, "kill_worker": args.kill_worker,
         "link": [rate.name for rate in args.link] if args.link else None,
         "period": task.period, "warmup_steps": task.warmup_steps,
+        "data_passes": task.data_passes(args.steps, args.world_size),
         "optimizer": task.optimizer, "optimizer_options": task.optimizer_options, "outer_options": outer_options(knobs, task),
         "block_size": block_size(knobs),
+        "sparse_outer_options": outer_options(knobs, task, sparse=True), "top_k": top_k(knobs),
         "streaming": {"fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
         "versions": {"puredist": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }

@@ -1,5 +1,6 @@
 """What a DiLoCo study varies, as the demo's options: the period ``H``, the warm-up,
-the inner and outer learning rates, the outer momentum and the codec's block size.
+the inner and outer learning rates, the outer momentum, the codec's block size and the
+sparse codec's values per chunk.
 
 :class:`Knobs` holds them, ``None`` meaning the task's own value (or the demo's
 default); :func:`knobs_task` applies the inner ones to a :class:`~puredist.demo.task.Task`
@@ -24,8 +25,14 @@ from puredist.demo.task import Task
 
 OUTER_OPTIONS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 """DiLoCo's outer Nesterov SGD, as the paper runs it."""
+SPARSE_OUTER_OPTIONS = {"lr": 1.5, "momentum": 0.0, "nesterov": False}
+"""``diloco_sparse``'s outer SGD, SparseLoCo's recipe: no momentum (each rank's error
+feedback stands in for it) and a step above 1 (a value one rank of ``W`` sent counts
+``1/W`` in the mean of the sparse payloads)."""
 BLOCK_SIZE = 64
-"""Values per fp32 scale of the int8 and 4-bit codecs."""
+"""Values per fp32 scale of the int8, 4-bit and 2-bit codecs."""
+TOP_K = 64
+"""Values ``diloco_sparse`` sends of each chunk of 4096 (1.56 %, SparseLoCo's and Covenant-72B's)."""
 
 
 class Knobs(NamedTuple):
@@ -37,7 +44,8 @@ class Knobs(NamedTuple):
         warmup_steps: local steps before the first synchronization.
         inner_lr: the inner optimizer's learning rate (every algorithm's).
         outer_lr, outer_momentum: DiLoCo's outer Nesterov SGD.
-        block_size: values per scale of the int8 and 4-bit payloads.
+        block_size: values per scale of the int8, 4-bit and 2-bit payloads.
+        top_k: values ``diloco_sparse`` sends of each chunk of 4096.
     """
 
     sync_every: int | None = None
@@ -46,6 +54,7 @@ class Knobs(NamedTuple):
     outer_lr: float | None = None
     outer_momentum: float | None = None
     block_size: int | None = None
+    top_k: int | None = None
 
 
 def knobs_task(task: Task, knobs: Knobs) -> Task:
@@ -59,19 +68,25 @@ def knobs_task(task: Task, knobs: Knobs) -> Task:
     )
 
 
-def outer_options(knobs: Knobs, task: Task | None = None) -> dict:
-    """The outer SGD's keywords: :data:`OUTER_OPTIONS`, then ``task``'s own
-    (:attr:`Task.outer_options`), then the knobs given; Nesterov where there is a
+def outer_options(knobs: Knobs, task: Task, sparse: bool = False) -> dict:
+    """The outer SGD's keywords: :data:`SPARSE_OUTER_OPTIONS` for ``diloco_sparse``
+    (``sparse``), else :data:`OUTER_OPTIONS` then ``task``'s own
+    (:attr:`Task.outer_options`); then the knobs given; Nesterov where there is a
     momentum (without one, plain SGD on the pseudo-gradient)."""
+    defaults = SPARSE_OUTER_OPTIONS if sparse else {**OUTER_OPTIONS, **(task.outer_options or {})}
     given = {"lr": knobs.outer_lr, "momentum": knobs.outer_momentum}
-    own = task.outer_options if task is not None and task.outer_options else {}
-    options = {**OUTER_OPTIONS, **own, **{k: v for k, v in given.items() if v is not None}}
+    options = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     return {**options, "nesterov": options["momentum"] > 0}
 
 
 def block_size(knobs: Knobs) -> int:
     """The int8 and 4-bit codecs' values per scale: the knob, else :data:`BLOCK_SIZE`."""
     return BLOCK_SIZE if knobs.block_size is None else knobs.block_size
+
+
+def top_k(knobs: Knobs) -> int:
+    """``diloco_sparse``'s values per chunk of 4096: the knob, else :data:`TOP_K`."""
+    return TOP_K if knobs.top_k is None else knobs.top_k
 
 
 def _ranged(kind: type, low: float, high: float | None, *, low_open: bool = False, even: bool = False, what: str):
@@ -112,7 +127,10 @@ KNOB_OPTIONS = {
                          f"{digits.TASK.outer_options['momentum']} for digits, {OUTER_OPTIONS['momentum']} for lm; 0: "
                          "plain SGD)"),
     "--block-size": (_ranged(int, 2, None, even=True, what="an even whole number, at least 2 (4-bit packs two a byte)"),
-                     "N", f"values per fp32 scale of diloco_int8's and diloco_int4's payloads (default {BLOCK_SIZE})"),
+                     "N", f"values per fp32 scale of diloco_int8's, diloco_int4's and diloco_int2's payloads (a multiple "
+                          f"of 4 for diloco_int2; default {BLOCK_SIZE})"),
+    "--top-k": (_ranged(int, 1, 4097, what="a whole number from 1 to 4096"), "K",
+                f"values diloco_sparse sends of each chunk of 4096 (default {TOP_K}: 1.56 %%)"),
 }
 """Each knob's option, in :class:`Knobs`' field order: its argparse ``type`` (the range
 it is checked against), metavar and help."""

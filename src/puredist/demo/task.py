@@ -39,6 +39,8 @@ class Task(NamedTuple):
         optimizer: the inner optimizer's name in both ``torch.optim`` and
             :mod:`puredist.optim` (``"SGD"``/``sgd``, ``"AdamW"``/``adamw``).
         optimizer_options: its hyper-parameters, the same keywords for both.
+        data_passes: ``(steps, world_size) -> float``: the most times a worker passes
+            over its shard in ``steps`` minibatches.
         outer_options: DiLoCo's outer Nesterov SGD's ``lr`` and ``momentum`` where the
             task tunes them (None: the paper's, :data:`puredist.demo.knobs.OUTER_OPTIONS`).
     """
@@ -53,6 +55,7 @@ class Task(NamedTuple):
     sample: Callable[[Any, torch.Generator], Batch]
     optimizer: str
     optimizer_options: dict[str, Any]
+    data_passes: Callable[[int, int], float]
     outer_options: dict[str, float] | None = None
 
 

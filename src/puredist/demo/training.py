@@ -18,9 +18,13 @@ algorithm (``H`` is the task's period: 8 for digits, 16 for the language model):
 - ``streaming``: Streaming DiLoCo: the same in 2 fragments synchronizing ``H/2``
   steps apart, each applied 2 steps after it starts (communication overlapped
   with local steps), bf16.
-- ``diloco_int8``, ``diloco_int4``, ``diloco_topk``: ``diloco`` with int8 or 4-bit
-  block-quantized (blocks of 64 by default) or top-1 % pseudo-gradients and error feedback
+- ``diloco_int8``, ``diloco_int4``, ``diloco_int2``: ``diloco`` with int8, 4-bit or 2-bit
+  block-quantized pseudo-gradients (blocks of 64 by default) and error feedback
   (:mod:`puredist.compression`).
+- ``diloco_sparse``: SparseLoCo's recipe: each rank's 64 largest values of each chunk of
+  4096 (:func:`puredist.chunked_top_k`: 2 bits of value, 1/146 of fp32's bytes) with error
+  feedback in place of the outer momentum, gathered by every rank; outer SGD at lr 1.5
+  without momentum (:data:`puredist.demo.knobs.SPARSE_OUTER_OPTIONS`).
 
 Bytes sent are measured, not estimated (:mod:`puredist.demo.wire`: what Gloo's
 threads wrote to their sockets), step by step; evaluations are left out, and before
@@ -53,13 +57,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import puredist
 from puredist.classic import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
 from puredist.demo import charlm, digits
-from puredist.demo.knobs import Knobs, block_size, knobs_task, outer_options
+from puredist.demo.knobs import Knobs, block_size, knobs_task, outer_options, top_k
 from puredist.demo.task import Task, cross_entropy, held_out
 from puredist.demo.wire import bytes_written
 from puredist.tree import tree_leaves
 
 ALGORITHMS = (
-    "ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_topk",
+    "ddp", "periodic", "hierarchical", "zero", "diloco", "streaming", "diloco_int8", "diloco_int4", "diloco_int2",
+    "diloco_sparse",
 )
 TASKS = {task.name: task for task in (digits.TASK, charlm.TASK, charlm.LARGE_TASK)}
 TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -160,7 +165,8 @@ _DILOCO_OPTIONS: dict[str, Callable[[Knobs], dict[str, Any]]] = {
     "streaming": lambda knobs: {"comm_dtype": torch.bfloat16, "fragments": STREAMING_FRAGMENTS, "delay": STREAMING_DELAY},
     "diloco_int8": lambda knobs: {"compressor": puredist.int8_blocks(block_size(knobs))},
     "diloco_int4": lambda knobs: {"compressor": puredist.int4_blocks(block_size(knobs))},
-    "diloco_topk": lambda knobs: {"compressor": puredist.top_k(0.01)},
+    "diloco_int2": lambda knobs: {"compressor": puredist.int2_blocks(block_size(knobs))},
+    "diloco_sparse": lambda knobs: {"compressor": puredist.chunked_top_k(top_k(knobs))},
 }
 """The options of each DiLoCo variant's :func:`puredist.outer_optimizer`, besides the task's period and warm-up."""
 
@@ -176,8 +182,9 @@ def transform(task: Task, knobs: Knobs, world_size: int, algorithm: str):
     if algorithm == "hierarchical":
         return puredist.hierarchical_averager(hierarchy_for(world_size, task.period), task.warmup_steps)
     if algorithm in _DILOCO_OPTIONS:
-        return puredist.outer_optimizer(puredist.sgd(**outer_options(knobs, task)), sync_every=task.period,
-                                        warmup_steps=task.warmup_steps, **_DILOCO_OPTIONS[algorithm](knobs))
+        outer = puredist.sgd(**outer_options(knobs, task, sparse=algorithm == "diloco_sparse"))
+        return puredist.outer_optimizer(outer, sync_every=task.period, warmup_steps=task.warmup_steps,
+                                        **_DILOCO_OPTIONS[algorithm](knobs))
     return None
 
 
