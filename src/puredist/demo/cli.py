@@ -311,8 +311,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from puredist.demo.report import faults_table, plot, projection_table, summarize, table
-
     task = TASKS[args.task]
     args.steps = args.steps or task.default_steps
     args.backend, where = "gloo", "127.0.0.1 (Gloo)"
@@ -362,14 +360,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as error:  # a fault-tolerant run's worker failed, the run hung, a link failed
         print(f"\nerror: {error}", file=sys.stderr)
         return 1
+    return _report_local(args, task, results, started)
+
+
+def _report_local(args: argparse.Namespace, task, results: dict, started: float) -> int:
+    """Print the tables of a run on local processes, write its results.json and plot."""
+    from puredist.demo.report import faults_table, plot, projection_table, summarize, table
+
     summary = summarize(results, task.name, task.title, _run_config(args, task))
-    print()
-    print(table(summary))
-    print()
-    print(projection_table(summary))
+    print(f"\n{table(summary)}\n\n{projection_table(summary)}")
     if any("faults" in row for row in summary["algorithms"].values()):
-        print()
-        print(faults_table(summary))
+        print(f"\n{faults_table(summary)}")
     (args.output / "results.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output / "demo.png")
     print(f"\nwrote {args.output / 'demo.png'} and {args.output / 'results.json'} "
