@@ -67,7 +67,7 @@ bench-islands: install
 	command -v tc >/dev/null || apt-get install -y iproute2
 	$(PY) -m puredist demo --islands 2 --output out/islands $(ARGS)
 
-# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 25 min alone on 2 cores)
+# The language-model study (docs/lm-study.md): DiLoCo against DDP, loss against bytes, into out/bench-lm (about 26 min alone on 2 cores)
 bench-lm: install
 	$(PY) benchmarks/bench_lm.py $(ARGS)
 
