@@ -43,9 +43,9 @@ def test_without_what_islands_need_one_line_says_what_is_missing_and_nothing_sta
     assert capsys.readouterr().err.strip() == "error: --islands 2 needs root (network namespaces and tc)"
 
 
-def _record(steps, step_s, blocked, crossed, evaluations, training_s, link=None):
+def _record(steps, step_s, blocked, crossed, evaluations, training_s, link=None, waits=()):
     return {"step_s": [step_s] * steps, "blocked_s": blocked, "crossed": crossed, "evaluations": evaluations,
-            "training_s": training_s, "bytes_written": 1000, "link_bytes": link}
+            "training_s": training_s, "bytes_written": 1000, "link_bytes": link, "evaluation_waits_s": list(waits)}
 
 
 def test_the_summary_reads_wall_time_utilization_time_to_target_and_the_model_as_documented():
@@ -58,8 +58,8 @@ def test_the_summary_reads_wall_time_utilization_time_to_target_and_the_model_as
     diloco = {"unshaped": [_record(8, 0.1, [0.0] * 3 + [0.1] + [0.0] * 3 + [0.1], [4, 8], evaluations, [0.5, 1.0],
                                    [2000, 1500]) for _ in range(2)],
               "shaped": [_record(8, 0.1, [0.0] * 3 + [0.2] + [0.0] * 3 + [0.3], [4, 8], evaluations, [0.6, 1.25],
-                                 [2000, 2000]),
-                         _record(8, 0.1, [0.0] * 8, [4, 8], evaluations, [0.6, 1.2], None)]}
+                                 [2000, 2000], waits=[0.05, 0.1]),
+                         _record(8, 0.1, [0.0] * 8, [4, 8], evaluations, [0.6, 1.2], None, waits=[0.0, 0.2])]}
     results = {r: {"parameters": 1000, "algorithms": {"ddp": {k: v[r] for k, v in ddp.items()},
                                                       "diloco": {k: v[r] for k, v in diloco.items()}}}
                for r in range(2)}
@@ -77,6 +77,8 @@ def test_the_summary_reads_wall_time_utilization_time_to_target_and_the_model_as
     # diloco: measured in full, its target at step 4 (1.009 <= 1.01) at the shaped run's 0.6 s
     assert rows["diloco"]["wall_s"] == 1.25 and rows["diloco"]["to_target_s"] == 0.6
     assert rows["diloco"]["utilization"] == pytest.approx(1 - 0.5 / 1.25)  # the lower of the two workers
+    # of which waited before evaluations (counted in blocked): the most any worker did
+    assert rows["diloco"]["evaluation_waits_s"] == pytest.approx(0.2)
     assert rows["diloco"]["projected_s"] == pytest.approx(1.0 + 2.0) and rows["diloco"]["eval_loss"] == 0.9
     assert rows["diloco"]["ratio"] == pytest.approx(1.25 / 3.0)
     # rho: 1000 fp32 parameters (32 kbit) take 4 s at 8 kbit/s; a step computes in (training - blocked) / steps
@@ -154,3 +156,21 @@ def test_nothing_is_left_behind_when_an_islands_run_is_interrupted(ending, tmp_p
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sync_every, fragments, delay, warmup", [(96, 4, 8, 32), (96, 4, 23, 0), (48, 3, 15, 7),
+                                                                 (16, 2, 7, 1)])
+def test_no_evaluation_falls_while_a_streaming_synchronization_is_in_flight(sync_every, fragments, delay, warmup):
+    # an evaluation drains what is in flight first (blocked time that training would not have): none may be
+    import puredist
+    from puredist.demo.island_run import evaluation_steps
+    from puredist.outer.config import OuterConfig
+    from puredist.outer.timeline import started_in_flight
+
+    options = {"sync_every": sync_every, "fragments": fragments, "delay": delay, "warmup_steps": warmup}
+    every, at = evaluation_steps(320, options)
+    config = OuterConfig(puredist.sgd(lr=1.0), sync_every, warmup, delay, fragments)
+    evaluated = [k for k in range(1, 641) if k % every == at]
+    assert len(evaluated) >= 10 * 2  # about 15 in DDP's 320 steps, twice that in the local methods' 640
+    assert all(started_in_flight(config, f, k) == -1 for k in evaluated for f in range(fragments))
+

@@ -9,7 +9,9 @@ Per algorithm, from its two runs (unshaped and at the rate; every worker's recor
   (``wall_from``: ``"per step"``), its loss curve the unshaped run's.
 - ``utilization``: the lowest over the workers (``utilization_per_worker``) of ``1 -
   blocked / training time``: the share of its training time a worker was not waiting
-  on the slow link.
+  on the slow link. ``evaluation_waits_s``: of the blocked time, the most any worker
+  spent before an evaluation waiting for the synchronizations in flight (a run that
+  evaluated less often would wait less).
 - ``to_target_s``: the training time at the first evaluation within
   :data:`TARGET_TOLERANCE` of DDP's final held-out loss (the target, the first
   algorithm's where DDP did not run), None where none is; ``steps_to_target``.
@@ -44,6 +46,7 @@ def _run(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "evaluations": [{"step": k, "accuracy": a, "loss": loss} for k, a, loss in rows[0]["evaluations"]],
         "training_s": [max(times) for times in zip(*(r["training_s"] for r in rows))],
         "utilization_per_worker": [1 - b / t for b, t in zip(blocked, training)],
+        "evaluation_waits_s": max(sum(r["evaluation_waits_s"]) for r in rows),
         "compute_s_per_step": sum(t - b for t, b in zip(training, blocked)) / (steps * len(rows)),
         "crossings": len(rows[0]["crossed"]),
         "link_bytes": max(directions, default=0),
@@ -91,6 +94,7 @@ def _algorithm(runs: dict[str, dict[str, Any]], target: float, bits_per_second: 
         "wall_from": "per step" if cut else "measured", "shaped_steps": shaped["steps"],
         "utilization": min(shaped["utilization_per_worker"]),
         "utilization_per_worker": shaped["utilization_per_worker"],
+        "evaluation_waits_s": shaped["evaluation_waits_s"],
         "to_target_s": to_target, "steps_to_target": step, "projected_s": projected, "ratio": wall / projected,
         "unshaped_s": unshaped["training_s"][-1], "link_bytes_per_crossing":
             shaped["link_bytes"] / shaped["crossings"] if shaped["crossings"] else 0,

@@ -42,6 +42,7 @@ language model takes about a tenth of ``H`` steps' compute (docs/links.md)."""
 STREAMING = {"fragments": 4, "delay": 8}
 """Streaming DiLoCo's fragments and the steps each synchronization travels behind, on the islands."""
 EVALUATIONS = 15
+"""About this many evaluations in DDP's steps (:func:`evaluation_steps`)."""
 STOP_TIMEOUT_S = 30.0
 
 
@@ -59,10 +60,23 @@ def job(args, namespaces: network.Islands, results: Path, options: dict[str, int
                          "shaped": min(args.steps, SHAPED_DDP_STEPS) if algorithm == "ddp" else LOCAL_STEPS * args.steps}
              for algorithm in args.algorithms}
     return {"task": args.task, "seed": args.seed, "device": "cpu", "backend": "gloo", "algorithms": args.algorithms,
-            "steps": steps, "eval_every": max(1, args.steps // EVALUATIONS), "knobs": tuple(args.knobs),
+            "steps": steps, "evaluate": evaluation_steps(args.steps, options), "knobs": tuple(args.knobs),
             "options": options, "namespaces": namespaces.workers,
             "links": [namespaces.links(i) for i in range(len(namespaces.gateways))],
             "rate": tuple(args.link[0]), "results": str(results)}
+
+
+def evaluation_steps(steps: int, options: dict[str, int]) -> tuple[int, int]:
+    """``(every, at)``: every algorithm evaluates after the steps ``k`` with ``k % every
+    == at`` (and after its last). ``every`` is a multiple of streaming DiLoCo's
+    fragment spacing ``H // fragments`` giving about :data:`EVALUATIONS` in ``steps``;
+    ``at`` puts each evaluation one step before a fragment starts, when none is in
+    flight (a fragment starting after step ``W + j H / F`` is applied ``delay < H / F``
+    steps later), so that no evaluation waits for one: such a wait is the measurement's,
+    not training's, and would be counted as time blocked on the link."""
+    spacing = max(1, options["sync_every"] // options["fragments"])
+    every = spacing * max(1, round(steps / (EVALUATIONS * spacing)))
+    return every, (options["warmup_steps"] - 1) % every
 
 
 def _stop(launchers: list[subprocess.Popen]) -> None:

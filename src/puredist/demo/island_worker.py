@@ -26,7 +26,7 @@ Per step each worker records its duration and the time it was *blocked* on the s
 link: in a collective that spans islands (DDP: from its last gradient bucket being
 ready to the end of the backward; hierarchical: the averaging of every worker; DiLoCo:
 the outer update, which starts, waits for and applies synchronizations; and, before
-an evaluation, the wait for those in flight). Its utilization is
+an evaluation, the wait for those in flight, also recorded on its own). Its utilization is
 ``1 - blocked / training time``. The first worker of each island reads the bytes its
 island's two link directions sent (``tc``'s counters, frames included) while training.
 Evaluations (the held-out loss of every worker's averaged parameters) run with the
@@ -215,8 +215,9 @@ def train(task: Task, algorithm: str, config: dict, mesh, link: _Links, steps: i
     setup = SETUPS[algorithm](task, task.make_model(config["seed"]), mesh, config["options"], knobs)
     world = puredist.DistributedCollective()
     batches = torch.Generator().manual_seed(config["seed"] * 1000 + rank)
-    eval_every = config["eval_every"] if steps > config["eval_every"] else steps  # a short run: at its end
-    record = {"step_s": [], "blocked_s": [], "crossed": [], "evaluations": [], "training_s": []}
+    every, at = config["evaluate"] if steps > config["evaluate"][0] else (steps, 0)  # a short run: at its end
+    record = {"step_s": [], "blocked_s": [], "crossed": [], "evaluations": [], "training_s": [],
+              "evaluation_waits_s": []}
     link.resume()
     dist.barrier()
     evaluating_s, sent, started = 0.0, bytes_written(), time.perf_counter()
@@ -228,10 +229,11 @@ def train(task: Task, algorithm: str, config: dict, mesh, link: _Links, steps: i
             record["step_s"].append(time.perf_counter() - step_started)
             if crossed:
                 record["crossed"].append(k)
-            if k % eval_every == 0 or k == steps:
+            if k % every == at or k == steps:
                 flushed = time.perf_counter()
                 setup.flush()  # the synchronizations in flight complete over the link: blocked
-                blocked += time.perf_counter() - flushed
+                record["evaluation_waits_s"].append(time.perf_counter() - flushed)
+                blocked += record["evaluation_waits_s"][-1]
                 mark = time.perf_counter()
                 record["training_s"].append(mark - started - evaluating_s)
                 sent -= bytes_written()
