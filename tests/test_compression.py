@@ -580,3 +580,17 @@ def test_the_compression_modules_keep_their_contracts_and_form_no_cycle():
     assert not phases & (checks | {"puredist.compression.averager"}), sorted(phases)
     within = {name: {m for m in imported if m.startswith("puredist.compression.")} for name, imported in graph.items()}
     assert not cycles(within), f"import cycles through {cycles(within)}"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_one_replica_under_vmap_is_one_rank_its_own_mean_with_nothing_left(codec):
+    from torch.func import vmap
+
+    x = torch.randn(1, 10, generator=torch.Generator().manual_seed(3))
+    residual = torch.randn(1, 10, generator=torch.Generator().manual_seed(4)) * 0.1
+    (simulated,), (simulated_left,) = compressed_mean([x], (residual,), CODECS[codec], SimulatedCollective(1),
+                                                       context="step 0")
+    mapped, mapped_left = vmap(lambda a, e: tuple(t[0] for t in compressed_mean(
+        [a], (e,), CODECS[codec], puredist.VmapCollective(1), context="step 0")))(x, residual)
+    assert torch.equal(simulated, x + residual) and torch.equal(simulated_left, torch.zeros_like(x))
+    assert torch.equal(mapped, simulated) and torch.equal(mapped_left, simulated_left)

@@ -173,4 +173,3 @@ def test_no_evaluation_falls_while_a_streaming_synchronization_is_in_flight(sync
     evaluated = [k for k in range(1, 641) if k % every == at]
     assert len(evaluated) >= 10 * 2  # about 15 in DDP's 320 steps, twice that in the local methods' 640
     assert all(started_in_flight(config, f, k) == -1 for k in evaluated for f in range(fragments))
-

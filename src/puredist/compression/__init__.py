@@ -32,7 +32,7 @@ telescopes: ``sum_t result_t + (1/W) sum_r e_r,T = sum_t (1/W) sum_r x_r,t``. At
 edge it would not: the owner's residual is computed in fp64 and rounded to fp32 once,
 and where ``W`` times what phase 2 lost exceeds fp32's largest value (a dropped mean
 entry above ``FLT_MAX / W``, as top-k can drop; half a step of a block near fp32's
-largest, from ``W = 15`` for 4-bit values, 255 for int8) the owner marks its phase-2
+largest, from ``W = 4`` for 2-bit values, 15 for 4-bit, 255 for int8) the owner marks its phase-2
 payload (NaN in its floating-point tensors), and every rank refuses the step
 (``ValueError``, nothing changed; under ``vmap`` the means are non-finite there, as for
 an inf given). The residuals are the state (checkpoint them with the rest). All of this is in fp32: leaves

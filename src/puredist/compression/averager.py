@@ -184,6 +184,8 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
     ``residuals``, end to end): the rank check over ``given`` (with any rank's
     non-finite values), then the phases of the module (or a torchft quorum's gather)."""
     if _exchanges(collective):  # one program: no rank to check against, no value read on the host
+        if collective.world_size == 1:
+            return _alone(rows)
         return (exchanged_gather if compressor.gathered else exchanged_mean)(rows, compressor, collective)
     context = str(context)
     finite = bool(torch.isfinite(rows).all())
@@ -203,8 +205,8 @@ def _mean_of_rows(rows: torch.Tensor, given: Sequence[torch.Tensor], compressor:
             raise
     if not finite:
         raise_non_finite([f"this rank: {where}"], context)
-    if collective.world_size == 1:  # the mean of one rank's x + e is itself: nothing to send, nothing left over
-        return rows[0], torch.zeros_like(rows)
+    if collective.world_size == 1:
+        return _alone(rows)
     if compressor.gathered:
         return gather_mean(rows, compressor, collective, simulated, leaves)
     return two_phase_mean(rows, compressor, collective, simulated, leaves, context)
@@ -266,3 +268,9 @@ def compressed_averager(compressor: Compressor) -> CompressedAverager:
         return tree_unflatten(spec, means), CompressionState(state.step + 1, tuple(residuals))
 
     return CompressedAverager(init, update)
+
+
+def _alone(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, left)`` for a world of one rank or replica, whatever the backend: the
+    mean of its ``x + e`` is itself; nothing is sent and nothing is left over."""
+    return rows[0], torch.zeros_like(rows)
