@@ -61,7 +61,8 @@ def test_top_k_sends_exactly_the_largest_magnitudes(x, fraction):
 @given(x=vectors(max_size=3000), k=st.sampled_from([1, 2, 5, 64]), chunk_size=st.sampled_from([8, 100, 4096]))
 def test_chunked_top_k_sends_each_chunks_largest_as_their_signs_times_their_halfs_mean_magnitude(x, k, chunk_size):
     # the oracle, brute force in fp64: the row cut into equal chunks (the last zero-padded), each chunk's values
-    # sorted by magnitude; the first ceil(kept / 2) decode to their mean magnitude, the rest of the kept to theirs
+    # sorted by magnitude; of the m non-zero values kept, the first ceil(m / 2) decode to their mean magnitude, the
+    # rest to theirs; everything else (a zero kept too) to 0
     assume(k <= chunk_size)
     n = x.numel()
     count = math.ceil(n / chunk_size)
@@ -72,11 +73,15 @@ def test_chunked_top_k_sends_each_chunks_largest_as_their_signs_times_their_half
     for c in range(count):
         block, back = padded[c * length:(c + 1) * length], decoded[c * length:min((c + 1) * length, n)]
         magnitudes = block.abs().sort(descending=True).values
-        half = (kept + 1) // 2
-        high, low = magnitudes[:half].mean(), magnitudes[half:kept].mean() if kept > half else magnitudes[:half].mean()
+        m = min(kept, int((block != 0).sum()))
+        if m == 0:
+            assert not back.any()
+            continue
+        half = (m + 1) // 2
+        high, low = magnitudes[:half].mean(), magnitudes[half:m].mean() if m > half else magnitudes[:half].mean()
         expected = torch.where(block.abs() >= magnitudes[half - 1], high,
-                               torch.where(block.abs() >= magnitudes[kept - 1], low, 0.0)) * block.sign()
-        clear = (block != 0) & ~torch.isin(block.abs(), magnitudes[[half - 1, kept - 1]])  # (no tie at a boundary)
+                               torch.where(block.abs() >= magnitudes[m - 1], low, 0.0)) * block.sign()
+        clear = (block != 0) & ~torch.isin(block.abs(), magnitudes[[half - 1, m - 1]])  # (no tie at a boundary)
         clear = clear[: back.numel()]
         torch.testing.assert_close(back[clear], expected[: back.numel()][clear], rtol=1e-6, atol=0)
         assert int((back != 0).sum()) <= kept
@@ -594,3 +599,17 @@ def test_one_replica_under_vmap_is_one_rank_its_own_mean_with_nothing_left(codec
         [a], (e,), CODECS[codec], puredist.VmapCollective(1), context="step 0")))(x, residual)
     assert torch.equal(simulated, x + residual) and torch.equal(simulated_left, torch.zeros_like(x))
     assert torch.equal(mapped, simulated) and torch.equal(mapped_left, simulated_left)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_chunked_top_k_sends_a_zero_as_zero_so_keeping_more_never_loses_more(k):
+    # a chunk with fewer non-zero values than it keeps: the zeros kept decode to 0, the halves are of the non-zeros
+    x = torch.tensor([[-3.0, 0, 0, 0, 0, 0, 0, 0], [-3.0, 0, 0, 0, 0, 0, 0, 0]])
+    (mean,), (left,) = compressed_mean([x], (torch.zeros_like(x),), chunked_top_k(k, 8), SimulatedCollective(2),
+                                       context="step 0")
+    assert torch.equal(mean, x) and torch.equal(left, torch.zeros_like(x))
+    codec = chunked_top_k(4, 8)
+    two = torch.tensor([5.0, 0, 0, -1, 0, 0, 0, 0])  # two non-zeros of 4 kept: one a half, each its own mean
+    assert torch.equal(codec.decode(codec.encode(two), 8), two)
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(8)), 8), torch.zeros(8))
+

@@ -201,9 +201,11 @@ def chunked_top_k(k: int = 64, chunk_size: int = 4096) -> Compressor:
     The flat tensor is cut into ``ceil(n / chunk_size)`` chunks of equal length (at
     most ``chunk_size``; the last zero-padded); each sends its ``k`` values of largest
     magnitude (``ceil(k * length / chunk_size)`` from a shorter chunk): their indices
-    within the chunk, ``ceil(log2(length))`` bits each, in order of magnitude; a sign
-    bit each; and two fp32 magnitudes, the mean magnitude of the larger half of them
-    and of the rest. A value decodes to its sign times its half's mean: 4 levels, 2
+    within the chunk, ``ceil(log2(length))`` bits each (at least 1), in order of
+    magnitude; a sign bit each; and two fp32 magnitudes, the mean magnitude of the
+    larger half of them and of the rest. A zero among them (a chunk with fewer non-zero
+    values than it keeps) is sent as the chunk's first index again and decodes to 0;
+    the halves are of the non-zero values. A value decodes to its sign times its half's mean: 4 levels, 2
     bits of value (its half is its place in the order), 13 bits a value with 12-bit
     indices (``chunk_size`` 4096) and 8 bytes a chunk: at ``k = 64`` (1.56 %), 1/146 of
     fp32's bytes. A chunk holding an inf or NaN decodes non-finite there (its
@@ -223,13 +225,17 @@ def chunked_top_k(k: int = 64, chunk_size: int = 4096) -> Compressor:
     def encode(x: torch.Tensor) -> Payload:
         count, length, kept, bits = _chunks(x.numel(), k, chunk_size)
         rows = torch.nn.functional.pad(x, (0, count * length - x.numel())).view(count, length)
-        top = rows.abs().topk(kept, dim=1)  # (sorted: the larger half first)
-        half = (kept + 1) // 2
+        top = rows.abs().topk(kept, dim=1)  # (sorted: the larger half first, zeros last)
+        sent = top.values != 0  # (an inf or NaN is sent)
+        nonzero = sent.sum(1, keepdim=True)
+        upper = torch.arange(kept, device=x.device) < (nonzero + 1) // 2
         magnitudes = top.values.double()
-        high = magnitudes[:, :half].mean(1)
-        low = magnitudes[:, half:].mean(1) if kept > half else high
+        high = torch.where(upper, magnitudes, 0).sum(1) / upper.sum(1).clamp(min=1)
+        lower = sent & ~upper
+        low = torch.where(lower.any(1), torch.where(lower, magnitudes, 0).sum(1) / lower.sum(1).clamp(min=1), high)
         negative = rows.gather(1, top.indices) < 0
-        return (_bits_packed(top.indices.flatten(), bits), _bits_packed(negative.flatten(), 1),
+        indices = torch.where(sent, top.indices, top.indices[:, :1])  # a zero kept: the first index again
+        return (_bits_packed(indices.flatten(), bits), _bits_packed(negative.flatten(), 1),
                 torch.stack((high, low), dim=1).float())
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
@@ -237,9 +243,12 @@ def chunked_top_k(k: int = 64, chunk_size: int = 4096) -> Compressor:
         count, length, kept, bits = _chunks(numel, k, chunk_size)
         indices = _bits_unpacked(packed, bits, count * kept).view(count, kept)
         negative = _bits_unpacked(signs, 1, count * kept).view(count, kept).bool()
-        lower = (torch.arange(kept, device=packed.device) >= (kept + 1) // 2).long().expand(count, kept)
+        zero = torch.cat((torch.zeros_like(indices[:, :1], dtype=torch.bool), indices[:, 1:] == indices[:, :1]), 1)
+        nonzero = kept - zero.sum(1, keepdim=True)
+        lower = (torch.arange(kept, device=packed.device) >= (nonzero + 1) // 2).long()
         values = magnitudes.gather(1, lower)
-        rows = magnitudes.new_zeros(count, length).scatter(1, indices, torch.where(negative, -values, values))
+        values = torch.where(zero, 0, torch.where(negative, -values, values))
+        rows = magnitudes.new_zeros(count, length).scatter_add(1, indices, values)  # (a zero adds 0 to the first)
         return rows.flatten()[:numel]
 
     return Compressor(f"chunked_top_k({k}, {chunk_size})", encode, decode, gathered=True)
