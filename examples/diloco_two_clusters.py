@@ -14,9 +14,9 @@ node by node, the mesh's order):
     # one machine, 2 clusters of 2 workers
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/diloco_two_clusters.py --clusters 2
     # two clusters of 8 GPUs: one command on each, the host of the rendezvous store first
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         --rdzv-conf is_host=1 examples/diloco_two_clusters.py --backend nccl
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         examples/diloco_two_clusters.py --backend nccl
 """
 
@@ -42,8 +42,9 @@ def main() -> None:
 
     dist.init_process_group(args.backend)
     world = dist.get_world_size()
-    if world % args.clusters:
-        raise SystemExit(f"--clusters {args.clusters} must divide the world size {world}")
+    if args.clusters < 2 or world % args.clusters:
+        raise SystemExit(f"--clusters {args.clusters}: at least 2 (DiLoCo across one cluster averages nothing; under "
+                         f"--standalone pass --clusters), dividing the world size {world}")
     mesh = init_device_mesh("cuda" if args.backend == "nccl" else "cpu", (args.clusters, world // args.clusters),
                             mesh_dim_names=("cluster", "inside"))
     cluster, inside = mesh.get_coordinate()
@@ -55,7 +56,8 @@ def main() -> None:
         process_group=mesh.get_group("inside"),
     )
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    diloco = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=args.sync_every)
+    diloco = puredist.outer_optimizer(puredist.sgd(lr=0.7, momentum=0.9, nesterov=True), sync_every=args.sync_every,
+                                      comm_dtype=torch.bfloat16)  # the slow link carries bf16
     params = list(model.parameters())
     state = diloco.init(params)
     across = puredist.DistributedCollective.from_mesh(mesh, "cluster")

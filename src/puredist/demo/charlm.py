@@ -8,7 +8,7 @@ apart or build per machine (:data:`SKIPPED`: the test suites, ``tkinter``, ``idl
 path (:func:`sources`). Its text is therefore the same on every machine with the same
 CPython release, unless a distribution patched one of the files. The vocabulary is
 fixed (:data:`VOCABULARY`: tab, newline and printable ASCII; any other character is
-one code). The last :data:`HELD_OUT_FRACTION` of the text is held out; the rest is cut
+one code). The last ``HELD_OUT_FRACTION`` of the text is held out; the rest is cut
 into one contiguous shard per worker, which the worker reads front to back
 (:func:`sample`), so that within a pass no character is read twice.
 

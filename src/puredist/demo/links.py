@@ -153,7 +153,7 @@ def _interrupt(signum, frame):
 
 class Namespaces:
     """The network namespaces of one run, for a ``with`` block: a subclass's
-    ``_build`` makes them (:meth:`_add`, each named with :attr:`prefix`); on every way
+    ``_build`` makes them (``_add``, each named with ``prefix``); on every way
     out of the block (a normal end, an exception, Ctrl-C, SIGTERM or SIGHUP, turned
     into ``KeyboardInterrupt`` while inside, a failure half-way through building) the
     processes still running in them are killed (only this run's can be: the
