@@ -613,3 +613,23 @@ def test_chunked_top_k_sends_a_zero_as_zero_so_keeping_more_never_loses_more(k):
     assert torch.equal(codec.decode(codec.encode(two), 8), two)
     assert torch.equal(codec.decode(codec.encode(torch.zeros(8)), 8), torch.zeros(8))
 
+
+def test_the_gathered_mean_decodes_one_payload_at_a_time_not_one_per_rank():
+    # each rank decodes every rank's payload: held all at once they cost W dense rows on every rank
+    import weakref
+
+    from puredist.compression.codecs import Compressor
+    from puredist.compression.phases import _decoded_mean
+
+    alive, most = weakref.WeakSet(), [0]
+
+    def decode(payload, numel):
+        row = payload[0].clone()
+        alive.add(row)
+        most[0] = max(most[0], len(alive))
+        return row
+
+    spy = Compressor("spy", lambda x: (x,), decode, gathered=True)
+    mean = _decoded_mean([(torch.full((4,), float(q)),) for q in range(8)], spy, 4)
+    assert torch.equal(mean, torch.full((4,), 3.5)) and most[0] <= 2  # the sum's term and the next one
+

@@ -9,6 +9,8 @@ residual). The package docstring (:mod:`puredist.compression`) states the rule.
 This module must not check its inputs: :mod:`puredist.compression.averager` has done it.
 """
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -44,14 +46,15 @@ def _stacked(payloads: list[Payload]) -> Payload:
     return tuple(torch.stack(tensors) for tensors in zip(*payloads))
 
 
-def _mean_in_rank_order(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 mean, summed in list order: the same bits wherever it is computed. The
-    sum is taken in fp64 and divided there, then rounded to fp32 once, so a mean
-    within fp32's range is finite however large its terms (an fp32 sum overflows for
-    terms above ``FLT_MAX / W``, and a sum of terms divided first can round past
-    ``FLT_MAX``: an inf mean, then inf or NaN residuals, which every later call would
-    refuse)."""
-    return (sum(chunk.double() for chunk in chunks) / len(chunks)).float()
+def _mean_in_rank_order(terms: Iterable[torch.Tensor], count: int) -> torch.Tensor:
+    """fp32 mean of the ``count`` ``terms``, summed in their order: the same bits
+    wherever it is computed. Each term is read once, as it comes, so a generator (of
+    decoded payloads) holds one at a time, not ``count``. The sum is taken in fp64 and
+    divided there, then rounded to fp32 once, so a mean within fp32's range is finite
+    however large its terms (an fp32 sum overflows for terms above ``FLT_MAX / W``, and
+    a sum of terms divided first can round past ``FLT_MAX``: an inf mean, then inf or
+    NaN residuals, which every later call would refuse)."""
+    return (sum(term.double() for term in terms) / count).float()
 
 
 def gathered_mean(rows: torch.Tensor, compressor: Compressor, collective: Collective, finite: bool,
@@ -103,7 +106,7 @@ def exchanged_gather(rows: torch.Tensor, compressor: Compressor, collective: Col
 
 def _decoded_mean(payloads: list[Payload], compressor: Compressor, numel: int) -> torch.Tensor:
     """The mean of ``payloads`` decoded, in list order (:func:`_mean_in_rank_order`)."""
-    return _mean_in_rank_order([compressor.decode(tuple(payload), numel) for payload in payloads])
+    return _mean_in_rank_order((compressor.decode(tuple(payload), numel) for payload in payloads), len(payloads))
 
 
 def raise_non_finite(where: list[str], context: str) -> None:
@@ -137,7 +140,7 @@ def two_phase_mean(
         for row, owner in enumerate(owners)
     ])
     if simulated:
-        means = [_mean_in_rank_order([kept[q, c] for q in range(world)]) for c in owners]
+        means = [_mean_in_rank_order((kept[q, c] for q in range(world)), world) for c in owners]
     else:
         try:
             stand_in = next(p for p in payloads[0] if p is not None)  # the slot to oneself: never sent, never read
@@ -146,7 +149,7 @@ def two_phase_mean(
             raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-to-all (phase 1)") from error
         mine = collective.rank
         means = [_mean_in_rank_order(
-            [kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)]
+            (kept[0, mine] if q == mine else compressor.decode(p, chunk) for q, p in enumerate(received)), world
         )]
     # phase 2: every owner's mean, compressed, to everybody
     final_payloads, finals, owed = zip(*(_phase_two(m, compressor, world) for m in means))
@@ -184,8 +187,8 @@ def exchanged_mean(rows: torch.Tensor, compressor: Compressor, collective: Colle
     kept = torch.where(mine, chunks, torch.stack([compressor.decode(p, chunk) for p in payloads]))
     received = collective.all_to_all(list(_stacked(payloads)))  # row q: replica q's payload of this one's chunk
     own = chunks.index_select(0, index.view(1))[0]
-    mean = _mean_in_rank_order([torch.where(mine[q], own, compressor.decode(tuple(t[q] for t in received), chunk))
-                                for q in range(world)])
+    mean = _mean_in_rank_order((torch.where(mine[q], own, compressor.decode(tuple(t[q] for t in received), chunk))
+                                for q in range(world)), world)
     final_payload, _, owed = _phase_two(mean, compressor, world)
     gathered = collective.all_gather(list(final_payload))  # row c: owner c's
     decoded = torch.cat([compressor.decode(tuple(t[c] for t in gathered), chunk) for c in range(world)])
