@@ -132,11 +132,13 @@ def int2_blocks(block_size: int = 128) -> Compressor:
         padded, absmax = _blocks(x, block_size, 4)
         scales = torch.where(torch.isfinite(absmax), (absmax / 1.5).clamp(max=largest), absmax)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        return _bits_packed((torch.floor(padded / safe) + 2).clamp(0, 3).flatten(), 2), scales.flatten()
+        codes = (torch.floor(padded / safe) + 2).clamp(0, 3).to(torch.uint8).view(-1, 4)
+        packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)  # value i at bits 2i
+        return packed, scales.flatten()
 
     def decode(payload: Payload, numel: int) -> torch.Tensor:
         packed, scales = payload
-        codes = _bits_unpacked(packed, 2, 4 * packed.numel()).view(max(scales.numel(), 1), -1)
+        codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(max(scales.numel(), 1), -1)
         return ((codes.float() - 1.5) * scales[:, None]).flatten()[:numel]
 
     return Compressor(f"int2_blocks({block_size})", encode, decode)

@@ -83,16 +83,18 @@ def gather_mean(rows: torch.Tensor, compressor: Compressor, collective: Collecti
     rank (an all-gather), and the mean of the decoded rows in rank order (the same
     bits everywhere); what a row's payload lost is its residual. Bytes per rank:
     ``W - 1`` payloads. ``leaves`` only name what a failed collective left unchanged."""
+    numel = rows.shape[1]
     payloads = [compressor.encode(row) for row in rows]
-    if simulated:
-        gathered = payloads
-    else:
-        try:
-            gathered = _gathered_payloads(payloads[0], collective)
-        except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
-            raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather") from error
-    sent = torch.stack([compressor.decode(payload, rows.shape[1]) for payload in payloads])
-    return _decoded_mean(gathered, compressor, rows.shape[1]), rows - sent
+    sent = torch.stack([compressor.decode(payload, numel) for payload in payloads])
+    if simulated:  # every rank's payload is here, decoded once
+        return _mean_in_rank_order(sent, len(sent)), rows - sent
+    try:
+        gathered = _gathered_payloads(payloads[0], collective)
+    except RuntimeError as error:  # a peer died, a timeout: nothing was written anywhere
+        raise nothing_changed(leaves, "A compressed averaging", error, stage="its all-gather") from error
+    mine = collective.rank  # (its own payload is decoded already)
+    decoded = (sent[0] if q == mine else compressor.decode(tuple(p), numel) for q, p in enumerate(gathered))
+    return _mean_in_rank_order(decoded, len(gathered)), rows - sent
 
 
 def exchanged_gather(rows: torch.Tensor, compressor: Compressor, collective: Collective) -> tuple[torch.Tensor, torch.Tensor]:
